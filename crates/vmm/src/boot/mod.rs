@@ -1,0 +1,1 @@
+//! Kernel and initramfs loading, kernel command line.

@@ -1,0 +1,19 @@
+//! bulkhead's virtual machine monitor.
+//!
+//! This crate boots a Linux guest on KVM: it creates guest memory, loads a kernel (ELF `vmlinux` or
+//! `bzImage`) and an initramfs, configures vCPUs for the 64-bit Linux boot protocol and runs them,
+//! with a small set of emulated devices (8250 UART, i8042 reset line, debug port, virtio-mmio).
+//!
+//! Layout:
+//! - [`vstate`]: KVM handles — the `/dev/kvm` context, the VM, guest memory and vCPU threads.
+//! - [`arch`]: architecture-specific boot set-up (page tables, GDT, `boot_params`, MP table, CPUID).
+//! - [`boot`]: kernel/initramfs loading and kernel command-line building.
+//! - [`devices`]: emulated devices and the port-I/O / MMIO buses they sit on.
+//! - [`config`]: the VM configuration (JSON or command-line flags) and its validation.
+#![deny(missing_docs)]
+
+pub mod arch;
+pub mod boot;
+pub mod config;
+pub mod devices;
+pub mod vstate;

@@ -1,0 +1,1 @@
+//! KVM state: the KVM context, the VM, guest memory and vCPUs.
