@@ -1,1 +1,264 @@
-//! VM configuration.
+//! The VM configuration: what `bulkhead-vmm --config FILE` reads as JSON and what its flags build.
+//!
+//! ```json
+//! {
+//!   "kernel": "/path/to/vmlinux",
+//!   "initrd": "/path/to/initramfs.cpio.gz",
+//!   "cmdline": "console=ttyS0 reboot=k panic=1",
+//!   "vcpus": 2,
+//!   "memory_mib": 256,
+//!   "serial": "stdout",
+//!   "debugcon": "/tmp/debug.log"
+//! }
+//! ```
+//!
+//! Only `kernel` is required. `serial` is `"stdout"`, `"off"` or a file path.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
+
+/// Default number of vCPUs.
+pub const DEFAULT_VCPUS: u8 = 1;
+/// Default guest RAM, MiB.
+pub const DEFAULT_MEMORY_MIB: u32 = 128;
+/// Most vCPUs a bulkhead VM may have; KVM's own limit (KVM_CAP_MAX_VCPUS) may be lower and is
+/// checked when the VM is built. Bounded by the MP table's 8-bit APIC IDs.
+pub const MAX_VCPUS: u8 = 254;
+
+/// Errors from reading or validating a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The configuration file is not valid JSON for a [`VmConfig`].
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What serde reported, with line and column.
+        source: serde_json::Error,
+    },
+    /// `vcpus` is 0 or above [`MAX_VCPUS`].
+    #[error("vcpus must be between 1 and {MAX_VCPUS}, got {0}")]
+    Vcpus(u32),
+    /// `memory_mib` is out of range.
+    #[error("memory must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB} MiB, got {0} MiB")]
+    Memory(u32),
+    /// An empty path was given.
+    #[error("the {0} path is empty")]
+    EmptyPath(&'static str),
+}
+
+/// Where the guest's serial console (COM1) goes.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum SerialOutput {
+    /// The VMM's standard output.
+    #[default]
+    Stdout,
+    /// Nowhere: the UART exists but its output is discarded.
+    Off,
+    /// A file, created or truncated when the VM starts.
+    File(PathBuf),
+}
+
+impl FromStr for SerialOutput {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "stdout" => Ok(SerialOutput::Stdout),
+            "off" => Ok(SerialOutput::Off),
+            "" => Err(Error::EmptyPath("serial output")),
+            path => Ok(SerialOutput::File(PathBuf::from(path))),
+        }
+    }
+}
+
+impl TryFrom<String> for SerialOutput {
+    type Error = Error;
+
+    fn try_from(s: String) -> Result<Self, Error> {
+        s.parse()
+    }
+}
+
+impl From<SerialOutput> for String {
+    fn from(s: SerialOutput) -> String {
+        s.to_string()
+    }
+}
+
+impl fmt::Display for SerialOutput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SerialOutput::Stdout => f.write_str("stdout"),
+            SerialOutput::Off => f.write_str("off"),
+            SerialOutput::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+fn default_vcpus() -> u8 {
+    DEFAULT_VCPUS
+}
+
+fn default_memory() -> u32 {
+    DEFAULT_MEMORY_MIB
+}
+
+/// A complete VM description.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    /// Guest kernel: an uncompressed ELF `vmlinux` or a `bzImage`.
+    pub kernel: PathBuf,
+    /// Optional initramfs (newc cpio, optionally compressed as the kernel supports).
+    #[serde(default)]
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line; `None` uses [`crate::boot::cmdline::DEFAULT_CMDLINE`].
+    #[serde(default)]
+    pub cmdline: Option<String>,
+    /// Number of vCPUs, 1..=[`MAX_VCPUS`].
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    /// Guest RAM, MiB.
+    #[serde(default = "default_memory")]
+    pub memory_mib: u32,
+    /// Serial console output.
+    #[serde(default)]
+    pub serial: SerialOutput,
+    /// File receiving what the guest writes to the debug port (0xe9), if any.
+    #[serde(default)]
+    pub debugcon: Option<PathBuf>,
+}
+
+impl VmConfig {
+    /// A configuration with defaults for everything but the kernel.
+    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+        VmConfig {
+            kernel: kernel.into(),
+            initrd: None,
+            cmdline: None,
+            vcpus: DEFAULT_VCPUS,
+            memory_mib: DEFAULT_MEMORY_MIB,
+            serial: SerialOutput::default(),
+            debugcon: None,
+        }
+    }
+
+    /// Reads and validates a JSON configuration file.
+    ///
+    /// # Errors
+    /// [`Error::Read`], [`Error::Parse`] (unknown fields are rejected), and what [`Self::validate`]
+    /// reports.
+    pub fn from_file(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let config: VmConfig = serde_json::from_str(&text).map_err(|source| Error::Parse {
+            path: path.to_owned(),
+            source,
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the values that do not need the host to judge: vCPU count, memory size, paths.
+    /// The KVM vCPU limit and the files themselves are checked when the VM is built.
+    ///
+    /// # Errors
+    /// [`Error::Vcpus`], [`Error::Memory`], [`Error::EmptyPath`].
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(Error::Vcpus(u32::from(self.vcpus)));
+        }
+        if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&self.memory_mib) {
+            return Err(Error::Memory(self.memory_mib));
+        }
+        if self.kernel.as_os_str().is_empty() {
+            return Err(Error::EmptyPath("kernel"));
+        }
+        if self
+            .initrd
+            .as_ref()
+            .is_some_and(|p| p.as_os_str().is_empty())
+        {
+            return Err(Error::EmptyPath("initrd"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_json_gets_defaults() {
+        let cfg: VmConfig = serde_json::from_str(r#"{"kernel": "/k"}"#).unwrap();
+
+        assert_eq!(cfg, VmConfig::new("/k"));
+        assert!(cfg.validate().is_ok());
+    }
+
+    #[test]
+    fn serial_accepts_stdout_off_and_paths() {
+        let cfg: VmConfig =
+            serde_json::from_str(r#"{"kernel": "/k", "serial": "/tmp/console.log"}"#).unwrap();
+
+        assert_eq!(cfg.serial, SerialOutput::File("/tmp/console.log".into()));
+        assert_eq!("off".parse::<SerialOutput>().unwrap(), SerialOutput::Off);
+        assert_eq!(
+            "stdout".parse::<SerialOutput>().unwrap(),
+            SerialOutput::Stdout
+        );
+        assert!("".parse::<SerialOutput>().is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let err = serde_json::from_str::<VmConfig>(r#"{"kernel": "/k", "vcpu": 2}"#).unwrap_err();
+
+        assert!(err.to_string().contains("unknown field `vcpu`"), "{err}");
+    }
+
+    #[test]
+    fn zero_vcpus_and_zero_memory_are_invalid() {
+        let mut cfg = VmConfig::new("/k");
+        cfg.vcpus = 0;
+        assert!(matches!(cfg.validate(), Err(Error::Vcpus(0))));
+
+        cfg.vcpus = 1;
+        cfg.memory_mib = 0;
+        let err = cfg.validate().unwrap_err();
+        assert!(err.to_string().contains("got 0 MiB"), "{err}");
+    }
+
+    #[test]
+    fn config_file_errors_name_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vm.json");
+        std::fs::write(&path, "{ not json").unwrap();
+
+        let err = VmConfig::from_file(&path).unwrap_err();
+
+        assert!(err.to_string().contains("vm.json"), "{err}");
+        assert!(matches!(
+            VmConfig::from_file(&dir.path().join("missing.json")),
+            Err(Error::Read { .. })
+        ));
+    }
+}

@@ -14,6 +14,13 @@
 
 pub mod arch;
 pub mod boot;
+pub mod builder;
 pub mod config;
 pub mod devices;
+pub mod vmm;
 pub mod vstate;
+
+pub use builder::build;
+pub use config::VmConfig;
+pub use vmm::{RunOutcome, StopHandle, Vmm};
+pub use vstate::vcpu::ExitReason;

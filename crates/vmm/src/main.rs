@@ -1,0 +1,107 @@
+//! `bulkhead-vmm`: boots one microVM and exits when the guest does.
+//!
+//! Exit status: 0 when the guest reset (`reboot`) or powered off; 1 when the VM could not be built
+//! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed or a vCPU failed.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bulkhead_vmm::config::{SerialOutput, VmConfig, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
+use bulkhead_vmm::vstate::kvm::host_kvm;
+use bulkhead_vmm::ExitReason;
+use clap::Parser;
+
+/// Boot a Linux guest under KVM.
+#[derive(Debug, Parser)]
+#[command(name = "bulkhead-vmm", version, about)]
+struct Args {
+    /// VM configuration as a JSON file (instead of the flags below).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon"])]
+    config: Option<PathBuf>,
+    /// Guest kernel: ELF vmlinux or bzImage.
+    #[arg(long, value_name = "PATH", required_unless_present = "config")]
+    kernel: Option<PathBuf>,
+    /// Initramfs (cpio, optionally gzip-compressed).
+    #[arg(long, value_name = "PATH")]
+    initrd: Option<PathBuf>,
+    /// Kernel command line (default: console=ttyS0 reboot=k panic=1 ...).
+    #[arg(long, value_name = "STR")]
+    cmdline: Option<String>,
+    /// Number of vCPUs.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_VCPUS)]
+    vcpus: u8,
+    /// Guest memory in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MEMORY_MIB)]
+    memory: u32,
+    /// Serial console: stdout, off, or a file path.
+    #[arg(long, value_name = "stdout|off|FILE", default_value = "stdout")]
+    serial: SerialOutput,
+    /// File receiving the guest's writes to the debug port (0xe9).
+    #[arg(long, value_name = "FILE")]
+    debugcon: Option<PathBuf>,
+    /// Boot even though this host's KVM is kvm_pvm (only PVM-enabled guest kernels work there).
+    #[arg(long)]
+    allow_pvm: bool,
+}
+
+impl Args {
+    fn into_config(self) -> Result<VmConfig, bulkhead_vmm::config::Error> {
+        if let Some(path) = &self.config {
+            return VmConfig::from_file(path);
+        }
+        let config = VmConfig {
+            kernel: self.kernel.unwrap_or_default(),
+            initrd: self.initrd,
+            cmdline: self.cmdline,
+            vcpus: self.vcpus,
+            memory_mib: self.memory,
+            serial: self.serial,
+            debugcon: self.debugcon,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BULKHEAD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let args = Args::parse();
+    let allow_pvm = args.allow_pvm;
+    match run(args, allow_pvm) {
+        Ok(code) => code,
+        Err(msg) => {
+            eprintln!("bulkhead-vmm: error: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(args: Args, allow_pvm: bool) -> Result<ExitCode, String> {
+    let config = args.into_config().map_err(|e| e.to_string())?;
+    let kvm = host_kvm();
+    if !kvm.can_boot_stock_kernel() && !allow_pvm {
+        return Err(format!(
+            "{}; boot guests inside the nested test host instead (`bulkhead-testhost run -- bulkhead-vmm ...`), or pass --allow-pvm for a PVM-enabled guest kernel",
+            kvm.explain()
+        ));
+    }
+    let vmm = bulkhead_vmm::build(&config).map_err(|e| e.to_string())?;
+    let outcome = vmm.run().map_err(|e| e.to_string())?;
+    Ok(match outcome.reason {
+        ExitReason::Reset | ExitReason::PowerOff | ExitReason::Stopped => ExitCode::SUCCESS,
+        ExitReason::GuestCrash => {
+            eprintln!("bulkhead-vmm: the guest crashed");
+            ExitCode::from(3)
+        }
+        ExitReason::Fatal(msg) => {
+            eprintln!("bulkhead-vmm: the VM failed: {msg}");
+            ExitCode::from(3)
+        }
+    })
+}

@@ -1,0 +1,227 @@
+//! A built VM and its lifecycle: start the vCPU threads, run the event loop until the guest (or the
+//! embedder) ends the VM, then stop and join every vCPU.
+
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::Killable;
+
+use crate::vstate::vcpu::{self, ExitReason, Vcpu, VcpuShared};
+use crate::vstate::vm::Vm;
+
+/// Errors while running a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A vCPU thread could not be started.
+    #[error(transparent)]
+    Vcpu(#[from] vcpu::Error),
+    /// The event loop failed.
+    #[error("event loop failed: {0}")]
+    EventLoop(String),
+    /// A vCPU thread panicked.
+    #[error("vCPU thread {0} panicked")]
+    VcpuPanic(usize),
+}
+
+/// Moments of a VM's start-up, for phase timings.
+#[derive(Debug, Clone, Default)]
+pub struct BootTimeline {
+    /// The VMM started building the VM (before opening /dev/kvm).
+    pub build_started: Option<Instant>,
+    /// KVM_CREATE_VM returned and guest memory was registered.
+    pub vm_created: Option<Instant>,
+    /// Kernel, initramfs, command line and boot structures are in guest memory.
+    pub payload_loaded: Option<Instant>,
+    /// The first vCPU thread was started (just before its first KVM_RUN).
+    pub vcpus_started: Option<Instant>,
+    /// The guest's first write to the debug port (its init announcing itself).
+    pub guest_first_debug_write: Option<Instant>,
+    /// The VM ended and every vCPU thread was joined.
+    pub exited: Option<Instant>,
+}
+
+/// A VM ready to run, made by [`crate::builder::build`].
+#[derive(Debug)]
+pub struct Vmm {
+    // Field order matters for drop: vCPUs and the VM are closed before guest memory is unmapped.
+    pub(crate) vcpus: Vec<Vcpu>,
+    pub(crate) shared: Arc<VcpuShared>,
+    pub(crate) vm: Vm,
+    pub(crate) guest_memory: GuestMemoryMmap,
+    pub(crate) reset_evt: EventFd,
+    pub(crate) debug_first_write: Arc<OnceLock<Instant>>,
+    pub(crate) timeline: BootTimeline,
+}
+
+/// A handle to stop a running VM from another thread.
+#[derive(Debug, Clone)]
+pub struct StopHandle {
+    shared: Arc<VcpuShared>,
+}
+
+impl StopHandle {
+    /// Asks the VM to stop; [`Vmm::run`] then returns [`ExitReason::Stopped`] unless the guest
+    /// ended first. Safe to call many times and from any thread.
+    pub fn stop(&self) {
+        self.shared.record_exit(ExitReason::Stopped);
+    }
+}
+
+/// The result of running a VM.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// Why the VM ended.
+    pub reason: ExitReason,
+    /// When each start-up phase happened.
+    pub timeline: BootTimeline,
+}
+
+impl Vmm {
+    /// A handle that stops this VM when asked.
+    pub fn stop_handle(&self) -> StopHandle {
+        StopHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// The guest's memory.
+    pub fn guest_memory(&self) -> &GuestMemoryMmap {
+        &self.guest_memory
+    }
+
+    /// The KVM VM.
+    pub fn vm(&self) -> &Vm {
+        &self.vm
+    }
+
+    /// Runs the guest until it resets or powers off, a vCPU fails, or a [`StopHandle`] stops it.
+    /// Every vCPU thread has been joined when this returns.
+    ///
+    /// # Errors
+    /// [`Error::Vcpu`] when a vCPU thread cannot start (the VM is stopped first),
+    /// [`Error::EventLoop`], [`Error::VcpuPanic`].
+    pub fn run(mut self) -> Result<RunOutcome, Error> {
+        let mut event_manager = EventManager::<Arc<Mutex<dyn MutEventSubscriber + Send>>>::new()
+            .map_err(|e| Error::EventLoop(e.to_string()))?;
+        let reset_evt = self
+            .reset_evt
+            .try_clone()
+            .map_err(|e| Error::EventLoop(e.to_string()))?;
+        let exit = Arc::new(Mutex::new(ExitWatcher::new(self.shared.clone(), reset_evt)));
+        event_manager.add_subscriber(exit.clone());
+
+        self.timeline.vcpus_started = Some(Instant::now());
+        let mut threads = Vec::with_capacity(self.vcpus.len());
+        let mut start_error = None;
+        for vcpu in std::mem::take(&mut self.vcpus) {
+            match vcpu.start() {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    start_error = Some(e);
+                    break;
+                }
+            }
+        }
+        if start_error.is_none() {
+            self.event_loop(&mut event_manager, &exit)?;
+        }
+        let joined = stop_vcpus(&self.shared, threads);
+        self.timeline.exited = Some(Instant::now());
+        self.timeline.guest_first_debug_write = self.debug_first_write.get().copied();
+        if let Some(e) = start_error {
+            return Err(e.into());
+        }
+        joined?;
+        let reason = self
+            .shared
+            .exit_reason
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or(ExitReason::Stopped);
+        Ok(RunOutcome {
+            reason,
+            timeline: self.timeline.clone(),
+        })
+    }
+
+    fn event_loop(
+        &self,
+        em: &mut EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
+        exit: &Arc<Mutex<ExitWatcher>>,
+    ) -> Result<(), Error> {
+        loop {
+            if exit.lock().unwrap_or_else(|p| p.into_inner()).fired {
+                return Ok(());
+            }
+            em.run().map_err(|e| Error::EventLoop(e.to_string()))?;
+        }
+    }
+}
+
+/// Sets the stop flag, kicks every vCPU out of KVM_RUN and joins the threads.
+fn stop_vcpus(shared: &VcpuShared, threads: Vec<JoinHandle<()>>) -> Result<(), Error> {
+    shared.stop.store(true, Ordering::Release);
+    for t in &threads {
+        if !t.is_finished() {
+            if let Err(e) = t.kill(vcpu::kick_signal()) {
+                tracing::warn!("cannot kick a vCPU thread: {e}");
+            }
+        }
+    }
+    let mut result = Ok(());
+    for (i, t) in threads.into_iter().enumerate() {
+        if t.join().is_err() {
+            result = Err(Error::VcpuPanic(i));
+        }
+    }
+    result
+}
+
+/// Event-loop subscriber that notices when the guest (a vCPU exit or the i8042 reset line) or a
+/// [`StopHandle`] ends the VM.
+struct ExitWatcher {
+    shared: Arc<VcpuShared>,
+    reset_evt: EventFd,
+    fired: bool,
+}
+
+impl ExitWatcher {
+    fn new(shared: Arc<VcpuShared>, reset_evt: EventFd) -> Self {
+        ExitWatcher {
+            shared,
+            reset_evt,
+            fired: false,
+        }
+    }
+}
+
+impl MutEventSubscriber for ExitWatcher {
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        // The counters only wake us; the reason is in `exit_reason`.
+        if events.fd() == self.reset_evt.as_raw_fd() {
+            let _ = self.reset_evt.read();
+            self.shared.record_exit(ExitReason::Reset);
+        }
+        if events.fd() == self.shared.exit_evt.as_raw_fd() {
+            let _ = self.shared.exit_evt.read();
+        }
+        self.fired = true;
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        for fd in [&self.shared.exit_evt, &self.reset_evt] {
+            if let Err(e) = ops.add(Events::new(fd, EventSet::IN)) {
+                tracing::error!("cannot watch a VM exit event: {e}");
+                self.fired = true;
+            }
+        }
+    }
+}

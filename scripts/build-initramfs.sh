@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Builds a gzip-compressed newc initramfs whose /init is the given static binary.
+#
+#   scripts/build-initramfs.sh --init BIN --out FILE [--busybox] [--add SRC:DEST]...
+#
+# --busybox adds Debian's busybox-static as /bin/busybox with a symlink per applet (sh, ls, cat, ...).
+# --add copies a host file into the image. The output is rebuilt only when an input changed: a
+# sidecar FILE.key holds the sha256 of all inputs.
+set -euo pipefail
+
+init="" out="" busybox=0 adds=()
+while (($#)); do
+    case "$1" in
+        --init) init="$2"; shift 2 ;;
+        --out) out="$2"; shift 2 ;;
+        --busybox) busybox=1; shift ;;
+        --add) adds+=("$2"); shift 2 ;;
+        *) echo "build-initramfs: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+[[ -n "$init" && -n "$out" ]] || { echo "usage: $0 --init BIN --out FILE [--busybox] [--add SRC:DEST]..." >&2; exit 2; }
+[[ -f "$init" ]] || { echo "build-initramfs: init binary $init not found" >&2; exit 1; }
+BUSYBOX=/bin/busybox
+if ((busybox)) && ! "$BUSYBOX" --list >/dev/null 2>&1; then
+    echo "build-initramfs: $BUSYBOX missing; install Debian's busybox-static" >&2; exit 1
+fi
+
+key_inputs() {
+    sha256sum "$init" "$0"
+    if ((busybox)); then sha256sum "$BUSYBOX"; fi
+    for a in "${adds[@]+"${adds[@]}"}"; do sha256sum "${a%%:*}"; echo "$a"; done
+}
+key=$(key_inputs | sha256sum | cut -c1-64)
+if [[ -f "$out" && -f "$out.key" && "$(cat "$out.key")" == "$key" ]]; then
+    exit 0
+fi
+
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage"/{bin,sbin,dev,proc,sys,tmp,run,etc,root,usr/bin,usr/sbin}
+chmod 1777 "$stage/tmp"
+install -m 0755 "$init" "$stage/init"
+if ((busybox)); then
+    install -m 0755 "$BUSYBOX" "$stage/bin/busybox"
+    for applet in $("$BUSYBOX" --list); do
+        [[ "$applet" == busybox || -e "$stage/bin/$applet" ]] || ln -s busybox "$stage/bin/$applet"
+    done
+fi
+printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' > "$stage/etc/passwd"
+printf 'root:x:0:\nnogroup:x:65534:\n' > "$stage/etc/group"
+for a in "${adds[@]+"${adds[@]}"}"; do
+    install -D -m 0755 "${a%%:*}" "$stage/${a#*:}"
+done
+mkdir -p "$(dirname "$out")"
+( cd "$stage" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --owner 0:0 --quiet ) | gzip -6 > "$out.tmp"
+mv "$out.tmp" "$out"
+echo "$key" > "$out.key"
