@@ -1,1 +1,21 @@
-//! x
+//! `bulkhead-agent`: the guest's PID 1. It prepares the guest (pseudo-filesystems, hostname),
+//! reaps orphans, and serves the host's requests (run a command, write or read a file, shut
+//! down) over vsock, one request per connection. The wire format is in
+//! `bulkhead-protocol` and `docs/agent-protocol.md`.
+//!
+//! The same server runs on the host in test mode (`--listen-unix PATH`), without the PID-1
+//! duties, so everything but the vsock transport is testable without a VM.
+
+#![deny(missing_docs)]
+
+pub mod clock;
+pub mod conn;
+pub mod exec;
+pub mod files;
+pub mod init;
+pub mod log;
+pub mod reaper;
+pub mod server;
+pub mod spawn;
+pub mod user;
+pub mod vsock;

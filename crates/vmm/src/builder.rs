@@ -8,19 +8,22 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+use event_manager::SubscriberOps;
 use kvm_ioctls::VcpuFd;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch;
 use crate::boot;
-use crate::config::{SerialOutput, VmConfig};
+use crate::config::{SerialOutput, VmConfig, VsockConfig};
+use crate::device_manager::{self, MmioDeviceManager};
 use crate::devices::bus::{self, Bus};
 use crate::devices::legacy::debugcon::{DebugCon, DEBUGCON_PORT};
 use crate::devices::legacy::i8042::{I8042, I8042_KBD_IRQ, I8042_PORT, I8042_PORT_COUNT};
 use crate::devices::legacy::serial::{self, SerialDevice, COM1_IRQ, COM1_PORT, COM1_PORT_COUNT};
 use crate::devices::legacy::EventFdTrigger;
-use crate::vmm::{BootTimeline, Vmm};
+use crate::devices::virtio::vsock::{self, Vsock};
+use crate::vmm::{BootTimeline, EventLoop, Vmm};
 use crate::vstate::kvm::{self, KvmContext, KVM_PATH};
 use crate::vstate::vcpu::{Vcpu, VcpuShared};
 use crate::vstate::{memory, vm};
@@ -74,6 +77,15 @@ pub enum Error {
     /// The serial console output could not be set up.
     #[error(transparent)]
     Serial(#[from] serial::Error),
+    /// The vsock device could not be created.
+    #[error("vsock: {0}")]
+    Vsock(#[from] vsock::Error),
+    /// A virtio device could not be placed.
+    #[error(transparent)]
+    DeviceManager(#[from] device_manager::Error),
+    /// The event loop could not be created.
+    #[error("cannot create the event loop: {0}")]
+    EventLoop(String),
     /// The debug-port output file could not be created.
     #[error("cannot create debug port output file {path}: {source}")]
     DebugCon {
@@ -113,14 +125,28 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
     let vm = vm::Vm::new(&kvm, &guest_memory)?;
     timeline.vm_created = Some(Instant::now());
 
-    let entry = load_payload(config, &guest_memory)?;
+    let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
+    let mut event_manager = EventLoop::new().map_err(|e| Error::EventLoop(e.to_string()))?;
+    let mut mmio = Bus::default();
+    let mut devices = MmioDeviceManager::default();
+    if let Some(vsock) = &config.vsock {
+        attach_vsock(
+            vsock,
+            &vm,
+            &guest_memory,
+            &mut mmio,
+            &mut devices,
+            &mut event_manager,
+        )?;
+    }
+
+    let entry = load_payload(config, &guest_memory, devices.cmdline_params())?;
     let vcpu_fds = create_vcpus(&kvm, &vm, &guest_memory, config.vcpus, entry)?;
     timeline.payload_loaded = Some(Instant::now());
 
-    let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
     let legacy = legacy_devices(config, &vm)?;
     let pio = Arc::new(legacy.pio);
-    let mmio = Arc::new(Bus::default());
+    let mmio = Arc::new(mmio);
     let vcpus = vcpu_fds
         .into_iter()
         .enumerate()
@@ -134,11 +160,16 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
         reset_evt: legacy.reset_evt,
         debug_first_write: legacy.debug_first_write,
         timeline,
+        event_manager,
     })
 }
 
 /// Loads kernel, initramfs and command line, writes the boot structures; returns the kernel entry.
-fn load_payload(config: &VmConfig, mem: &GuestMemoryMmap) -> Result<GuestAddress, Error> {
+fn load_payload(
+    config: &VmConfig,
+    mem: &GuestMemoryMmap,
+    device_params: &[String],
+) -> Result<GuestAddress, Error> {
     let kernel = boot::load_kernel(mem, &config.kernel)?;
     let initrd = match &config.initrd {
         Some(path) => Some(boot::load_initrd(mem, path, kernel.end)?),
@@ -148,7 +179,7 @@ fn load_payload(config: &VmConfig, mem: &GuestMemoryMmap) -> Result<GuestAddress
         .cmdline
         .as_deref()
         .unwrap_or(boot::cmdline::DEFAULT_CMDLINE);
-    let cmdline = boot::cmdline::build_cmdline(base, &[])?;
+    let cmdline = boot::cmdline::build_cmdline(base, device_params)?;
     let (cmdline_addr, cmdline_size) = boot::cmdline::load_cmdline(mem, &cmdline)?;
     let info = arch::BootInfo {
         cmdline_addr,
@@ -158,6 +189,21 @@ fn load_payload(config: &VmConfig, mem: &GuestMemoryMmap) -> Result<GuestAddress
     };
     arch::configure_system(mem, &info, config.vcpus)?;
     Ok(kernel.entry)
+}
+
+/// Creates the virtio-vsock device, places it on the MMIO bus and adds it to the event loop.
+fn attach_vsock(
+    config: &VsockConfig,
+    vm: &vm::Vm,
+    mem: &GuestMemoryMmap,
+    mmio: &mut Bus,
+    devices: &mut MmioDeviceManager,
+    event_manager: &mut EventLoop,
+) -> Result<(), Error> {
+    let vsock = Arc::new(Mutex::new(Vsock::new(config.guest_cid, &config.uds_path)?));
+    devices.register(vm, mem, mmio, vsock.clone())?;
+    event_manager.add_subscriber(vsock);
+    Ok(())
 }
 
 fn create_vcpus(

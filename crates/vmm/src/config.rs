@@ -8,7 +8,8 @@
 //!   "vcpus": 2,
 //!   "memory_mib": 256,
 //!   "serial": "stdout",
-//!   "debugcon": "/tmp/debug.log"
+//!   "debugcon": "/tmp/debug.log",
+//!   "vsock": { "guest_cid": 3, "uds_path": "/tmp/vm.sock" }
 //! }
 //! ```
 //!
@@ -55,6 +56,9 @@ pub enum Error {
     /// `memory_mib` is out of range.
     #[error("memory must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB} MiB, got {0} MiB")]
     Memory(u32),
+    /// The vsock guest CID is reserved or out of range.
+    #[error("vsock guest CID must be between 3 and 4294967294, got {0}")]
+    GuestCid(u64),
     /// An empty path was given.
     #[error("the {0} path is empty")]
     EmptyPath(&'static str),
@@ -142,6 +146,29 @@ pub struct VmConfig {
     /// File receiving what the guest writes to the debug port (0xe9), if any.
     #[serde(default)]
     pub debugcon: Option<PathBuf>,
+    /// A virtio-vsock device with its host side on a Unix socket (Firecracker's hybrid protocol).
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
+}
+
+/// Default guest CID (the first CID available to guests; 0-2 are reserved, virtio 1.2 §5.10.4).
+pub const DEFAULT_GUEST_CID: u64 = 3;
+
+fn default_guest_cid() -> u64 {
+    DEFAULT_GUEST_CID
+}
+
+/// The virtio-vsock device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VsockConfig {
+    /// The guest's context ID, ≥ 3.
+    #[serde(default = "default_guest_cid")]
+    pub guest_cid: u64,
+    /// Host Unix socket: host clients connect here and send `CONNECT <port>\n`; guest connections to
+    /// CID 2 port P go to `<uds_path>_P`. Must not exist; created when the VM is built and removed
+    /// when it is destroyed.
+    pub uds_path: PathBuf,
 }
 
 impl VmConfig {
@@ -155,6 +182,7 @@ impl VmConfig {
             memory_mib: DEFAULT_MEMORY_MIB,
             serial: SerialOutput::default(),
             debugcon: None,
+            vsock: None,
         }
     }
 

@@ -16,6 +16,7 @@ pub mod arch;
 pub mod boot;
 pub mod builder;
 pub mod config;
+pub mod device_manager;
 pub mod devices;
 pub mod vmm;
 pub mod vstate;

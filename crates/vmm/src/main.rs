@@ -6,9 +6,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use bulkhead_vmm::config::{SerialOutput, VmConfig, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
+use bulkhead_vmm::config::{
+    SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
+};
 use bulkhead_vmm::vstate::kvm::host_kvm;
-use bulkhead_vmm::ExitReason;
+use bulkhead_vmm::{ExitReason, StopHandle};
 use clap::Parser;
 
 /// Boot a Linux guest under KVM.
@@ -16,7 +18,7 @@ use clap::Parser;
 #[command(name = "bulkhead-vmm", version, about)]
 struct Args {
     /// VM configuration as a JSON file (instead of the flags below).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds"])]
     config: Option<PathBuf>,
     /// Guest kernel: ELF vmlinux or bzImage.
     #[arg(long, value_name = "PATH", required_unless_present = "config")]
@@ -39,6 +41,14 @@ struct Args {
     /// File receiving the guest's writes to the debug port (0xe9).
     #[arg(long, value_name = "FILE")]
     debugcon: Option<PathBuf>,
+    /// Add a virtio-vsock device whose host side is this Unix socket (Firecracker's hybrid
+    /// protocol: connect and send `CONNECT <port>\n`; guest connections to CID 2 port P reach
+    /// `<PATH>_P`).
+    #[arg(long, value_name = "PATH")]
+    vsock_uds: Option<PathBuf>,
+    /// The guest's vsock context ID.
+    #[arg(long, value_name = "CID", default_value_t = DEFAULT_GUEST_CID, requires = "vsock_uds")]
+    vsock_cid: u64,
     /// Boot even though this host's KVM is kvm_pvm (only PVM-enabled guest kernels work there).
     #[arg(long)]
     allow_pvm: bool,
@@ -57,6 +67,10 @@ impl Args {
             memory_mib: self.memory,
             serial: self.serial,
             debugcon: self.debugcon,
+            vsock: self.vsock_uds.map(|uds_path| VsockConfig {
+                guest_cid: self.vsock_cid,
+                uds_path,
+            }),
         };
         config.validate()?;
         Ok(config)
@@ -82,6 +96,24 @@ fn main() -> ExitCode {
     }
 }
 
+/// SIGTERM, SIGINT and SIGHUP stop the VM cleanly (devices are torn down and the vsock socket
+/// removed) instead of killing the process.
+fn stop_on_signals(stop: StopHandle) -> Result<(), String> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
+        .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!("signal {sig}: stopping the VM");
+                stop.stop();
+            }
+        })
+        .map_err(|e| format!("cannot start the signal thread: {e}"))?;
+    Ok(())
+}
+
 fn run(args: Args, allow_pvm: bool) -> Result<ExitCode, String> {
     let config = args.into_config().map_err(|e| e.to_string())?;
     let kvm = host_kvm();
@@ -92,6 +124,7 @@ fn run(args: Args, allow_pvm: bool) -> Result<ExitCode, String> {
         ));
     }
     let vmm = bulkhead_vmm::build(&config).map_err(|e| e.to_string())?;
+    stop_on_signals(vmm.stop_handle())?;
     let outcome = vmm.run().map_err(|e| e.to_string())?;
     Ok(match outcome.reason {
         ExitReason::Reset | ExitReason::PowerOff | ExitReason::Stopped => ExitCode::SUCCESS,

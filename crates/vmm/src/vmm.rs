@@ -48,7 +48,6 @@ pub struct BootTimeline {
 }
 
 /// A VM ready to run, made by [`crate::builder::build`].
-#[derive(Debug)]
 pub struct Vmm {
     // Field order matters for drop: vCPUs and the VM are closed before guest memory is unmapped.
     pub(crate) vcpus: Vec<Vcpu>,
@@ -58,6 +57,20 @@ pub struct Vmm {
     pub(crate) reset_evt: EventFd,
     pub(crate) debug_first_write: Arc<OnceLock<Instant>>,
     pub(crate) timeline: BootTimeline,
+    pub(crate) event_manager: EventLoop,
+}
+
+/// The VMM's event loop: device queue and backend events, and the VM exit events.
+pub(crate) type EventLoop = EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>;
+
+impl std::fmt::Debug for Vmm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vmm")
+            .field("vcpus", &self.vcpus.len())
+            .field("vm", &self.vm)
+            .field("timeline", &self.timeline)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A handle to stop a running VM from another thread.
@@ -108,36 +121,23 @@ impl Vmm {
     /// [`Error::Vcpu`] when a vCPU thread cannot start (the VM is stopped first),
     /// [`Error::EventLoop`], [`Error::VcpuPanic`].
     pub fn run(mut self) -> Result<RunOutcome, Error> {
-        let mut event_manager = EventManager::<Arc<Mutex<dyn MutEventSubscriber + Send>>>::new()
-            .map_err(|e| Error::EventLoop(e.to_string()))?;
         let reset_evt = self
             .reset_evt
             .try_clone()
             .map_err(|e| Error::EventLoop(e.to_string()))?;
         let exit = Arc::new(Mutex::new(ExitWatcher::new(self.shared.clone(), reset_evt)));
-        event_manager.add_subscriber(exit.clone());
+        self.event_manager.add_subscriber(exit.clone());
 
         self.timeline.vcpus_started = Some(Instant::now());
-        let mut threads = Vec::with_capacity(self.vcpus.len());
-        let mut start_error = None;
-        for vcpu in std::mem::take(&mut self.vcpus) {
-            match vcpu.start() {
-                Ok(t) => threads.push(t),
-                Err(e) => {
-                    start_error = Some(e);
-                    break;
-                }
-            }
-        }
-        if start_error.is_none() {
-            self.event_loop(&mut event_manager, &exit)?;
-        }
+        let (threads, started) = start_vcpus(std::mem::take(&mut self.vcpus));
+        let looped = match started {
+            Ok(()) => run_event_loop(&mut self.event_manager, &exit),
+            Err(e) => Err(e),
+        };
         let joined = stop_vcpus(&self.shared, threads);
         self.timeline.exited = Some(Instant::now());
         self.timeline.guest_first_debug_write = self.debug_first_write.get().copied();
-        if let Some(e) = start_error {
-            return Err(e.into());
-        }
+        looped?;
         joined?;
         let reason = self
             .shared
@@ -151,17 +151,31 @@ impl Vmm {
             timeline: self.timeline.clone(),
         })
     }
+}
 
-    fn event_loop(
-        &self,
-        em: &mut EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
-        exit: &Arc<Mutex<ExitWatcher>>,
-    ) -> Result<(), Error> {
-        loop {
-            if exit.lock().unwrap_or_else(|p| p.into_inner()).fired {
-                return Ok(());
-            }
-            em.run().map_err(|e| Error::EventLoop(e.to_string()))?;
+/// Starts every vCPU thread; on failure returns the threads already started with the error.
+fn start_vcpus(vcpus: Vec<Vcpu>) -> (Vec<JoinHandle<()>>, Result<(), Error>) {
+    let mut threads = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        match vcpu.start() {
+            Ok(t) => threads.push(t),
+            Err(e) => return (threads, Err(e.into())),
+        }
+    }
+    (threads, Ok(()))
+}
+
+/// Dispatches events until the VM exit event fires.
+fn run_event_loop(em: &mut EventLoop, exit: &Arc<Mutex<ExitWatcher>>) -> Result<(), Error> {
+    loop {
+        if exit.lock().unwrap_or_else(|p| p.into_inner()).fired {
+            return Ok(());
+        }
+        match em.run() {
+            Ok(_) => {}
+            // A signal (e.g. SIGCHLD or a kick) interrupting epoll_wait is not an error.
+            Err(event_manager::Error::Epoll(e)) if e.errno() == libc::EINTR => {}
+            Err(e) => return Err(Error::EventLoop(e.to_string())),
         }
     }
 }

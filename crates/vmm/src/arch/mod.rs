@@ -7,7 +7,9 @@
 pub mod x86_64;
 
 #[cfg(target_arch = "x86_64")]
-pub use x86_64::layout::{CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START};
+pub use x86_64::layout::{
+    CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, IRQ_BASE, IRQ_MAX, MMIO_BASE,
+};
 #[cfg(target_arch = "x86_64")]
 pub use x86_64::memory::Error as InitrdPlacementError;
 #[cfg(target_arch = "x86_64")]

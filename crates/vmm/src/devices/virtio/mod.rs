@@ -20,6 +20,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 pub mod mmio;
+pub mod vsock;
 
 /// Feature bit: the device complies with virtio 1.x (virtio 1.2 §6.1). Required by the modern MMIO
 /// transport.

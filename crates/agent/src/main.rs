@@ -1,0 +1,160 @@
+//! `bulkhead-agent` binary.
+//!
+//! - As PID 1 (no arguments needed; arguments the kernel passes are ignored): prepare the
+//!   guest, listen on vsock port 1024, announce readiness to the host, serve forever.
+//! - `bulkhead-agent --listen-unix PATH [--ready-unix PATH]`: serve the same protocol on a
+//!   Unix socket, without PID-1 duties (test mode).
+
+use std::ffi::OsString;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
+use bulkhead_agent::{clock, init, log, reaper, vsock};
+use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
+
+const USAGE: &str =
+    "usage: bulkhead-agent                 (as PID 1 inside a bulkhead VM)\n       \
+                     bulkhead-agent --listen-unix PATH [--ready-unix PATH]   (test mode)\n";
+
+/// What the command line asks for (when not PID 1).
+#[derive(Debug, PartialEq, Eq)]
+enum Args {
+    Help,
+    Version,
+    Test {
+        listen: PathBuf,
+        ready: Option<PathBuf>,
+    },
+}
+
+fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> {
+    let mut listen = None;
+    let mut ready = None;
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| {
+            args.next()
+                .map(PathBuf::from)
+                .ok_or(format!("{name} needs a PATH"))
+        };
+        match arg.to_str() {
+            Some("--help" | "-h") => return Ok(Args::Help),
+            Some("--version" | "-V") => return Ok(Args::Version),
+            Some("--listen-unix") => listen = Some(value("--listen-unix")?),
+            Some("--ready-unix") => ready = Some(value("--ready-unix")?),
+            _ => return Err(format!("unknown argument {arg:?}")),
+        }
+    }
+    let listen = listen.ok_or("not PID 1: test mode needs --listen-unix PATH")?;
+    Ok(Args::Test { listen, ready })
+}
+
+fn ready_message(init_started: BootTimestamps) -> Ready {
+    Ready {
+        version: PROTOCOL_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        init_started,
+        listening: clock::now(),
+    }
+}
+
+fn run_pid1(started: BootTimestamps) -> ! {
+    init::setup();
+    if let Err(e) = reaper::start() {
+        log!("{e}; rebooting");
+        init::reboot();
+    }
+    let listener = match vsock::listen(AGENT_PORT) {
+        Ok(fd) => Listener::Vsock(fd),
+        Err(e) => {
+            log!("vsock listen on port {AGENT_PORT}: {e}; rebooting");
+            init::reboot();
+        }
+    };
+    let ready = ready_message(started);
+    init::debug_port_write(b"bulkhead-agent: ready\n");
+    server::announce_ready(&ReadyTarget::Vsock, &ready);
+    server::serve(&listener, ShutdownAction::Reboot)
+}
+
+fn run_test_mode(started: BootTimestamps, listen: PathBuf, ready: Option<PathBuf>) -> ExitCode {
+    // Orphans of the commands we run come to us, as they would to PID 1.
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    if let Err(e) = reaper::start() {
+        log!("{e}");
+        return ExitCode::FAILURE;
+    }
+    let listener = match UnixListener::bind(&listen) {
+        Ok(l) => Listener::Unix(l),
+        Err(e) => {
+            log!("listen on {}: {e}", listen.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(path) = ready {
+        server::announce_ready(&ReadyTarget::Unix(path), &ready_message(started));
+    }
+    server::serve(&listener, ShutdownAction::Exit)
+}
+
+fn main() -> ExitCode {
+    let started = clock::now();
+    if std::process::id() == 1 {
+        run_pid1(started);
+    }
+    match parse_args(std::env::args_os().skip(1)) {
+        Ok(Args::Help) => {
+            print!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        Ok(Args::Version) => {
+            println!("bulkhead-agent {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Ok(Args::Test { listen, ready }) => run_test_mode(started, listen, ready),
+        Err(message) => {
+            eprint!("bulkhead-agent: {message}\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Result<Args, String> {
+        parse_args(list.iter().map(OsString::from))
+    }
+
+    #[test]
+    fn test_mode_needs_a_listen_path() {
+        // Arrange / Act
+        let full = args(&["--listen-unix", "/a", "--ready-unix", "/b"]);
+        let missing = args(&[]);
+        let dangling = args(&["--listen-unix"]);
+
+        // Assert
+        assert_eq!(
+            full,
+            Ok(Args::Test {
+                listen: "/a".into(),
+                ready: Some("/b".into())
+            })
+        );
+        assert!(missing.unwrap_err().contains("--listen-unix"));
+        assert!(dangling.unwrap_err().contains("needs a PATH"));
+    }
+
+    #[test]
+    fn unknown_arguments_are_refused() {
+        // Arrange / Act
+        let result = args(&["--listen-unix", "/a", "--frobnicate"]);
+
+        // Assert
+        assert!(result.unwrap_err().contains("--frobnicate"));
+    }
+}

@@ -1,0 +1,189 @@
+//! Turning an [`ExecRequest`] into a running process: validation, environment, user, cwd,
+//! a new session (so pid = pgid = sid), and pipes for stdio.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use bulkhead_protocol::{ExecRequest, PROTOCOL_VERSION};
+
+use crate::reaper::{self, ExitWatch, ReaperError};
+use crate::user::{self, UserError};
+
+/// `PATH` given to commands whose request has none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Exit code reported when the program does not exist (as a shell does).
+pub const EXIT_NOT_FOUND: i32 = 127;
+
+/// Exit code reported when the program exists but cannot be executed (as a shell does).
+pub const EXIT_NOT_EXECUTABLE: i32 = 126;
+
+/// Reasons a request is refused before any process exists (sent as an `Error` frame).
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    /// The request's protocol version is not ours.
+    #[error("unsupported protocol version {0} (this agent speaks {PROTOCOL_VERSION})")]
+    Version(u32),
+    /// `argv` is empty.
+    #[error("argv is empty")]
+    EmptyArgv,
+    /// `tty: true` (not supported in this version).
+    #[error("tty is not supported by this agent")]
+    Tty,
+    /// An `env` entry without `=` or with an empty name.
+    #[error("bad env entry {0:?}: expected KEY=VALUE")]
+    BadEnv(String),
+    /// `cwd` is not an existing directory.
+    #[error("cwd {0:?} is not an existing directory")]
+    BadCwd(String),
+    /// `user` could not be resolved.
+    #[error(transparent)]
+    User(#[from] UserError),
+    /// fork/exec failed for another reason than a missing or non-executable program.
+    #[error("spawn {program}: {source}")]
+    Spawn {
+        /// `argv[0]`.
+        program: String,
+        /// What failed.
+        source: ReaperError,
+    },
+}
+
+/// A running command.
+#[derive(Debug)]
+pub struct Spawned {
+    /// Its pid, which is also its process group and session id.
+    pub pid: libc::pid_t,
+    /// Write end of its stdin pipe, when the request asked for stdin.
+    pub stdin: Option<OwnedFd>,
+    /// Read end of its stdout pipe.
+    pub stdout: OwnedFd,
+    /// Read end of its stderr pipe.
+    pub stderr: OwnedFd,
+    /// Where its wait status arrives.
+    pub exit: ExitWatch,
+}
+
+/// What became of a request.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The process runs.
+    Running(Spawned),
+    /// The program could not be executed; report `message` on stderr and exit `code`
+    /// (127 not found, 126 not executable), like a shell.
+    NotRunnable {
+        /// Exit code to report.
+        code: i32,
+        /// Line for stderr, ending in `\n`.
+        message: String,
+    },
+}
+
+/// Validates `req`, builds the command and starts it.
+pub fn spawn(req: &ExecRequest) -> Result<Outcome, SpawnError> {
+    let mut cmd = build_command(req)?;
+    let program = req.argv[0].clone();
+    match reaper::spawn(&mut cmd) {
+        Ok((mut child, exit)) => Ok(Outcome::Running(Spawned {
+            pid: child.id() as libc::pid_t,
+            stdin: child.stdin.take().map(OwnedFd::from),
+            stdout: child.stdout.take().map(OwnedFd::from).ok_or_else(no_pipe)?,
+            stderr: child.stderr.take().map(OwnedFd::from).ok_or_else(no_pipe)?,
+            exit,
+        })),
+        Err(ReaperError::Spawn(e)) => not_runnable(&program, e),
+        Err(source) => Err(SpawnError::Spawn { program, source }),
+    }
+}
+
+fn no_pipe() -> SpawnError {
+    SpawnError::Spawn {
+        program: String::new(),
+        source: ReaperError::Spawn(io::Error::other("stdio pipe missing")),
+    }
+}
+
+fn not_runnable(program: &str, e: io::Error) -> Result<Outcome, SpawnError> {
+    let code = match e.kind() {
+        io::ErrorKind::NotFound => EXIT_NOT_FOUND,
+        io::ErrorKind::PermissionDenied => EXIT_NOT_EXECUTABLE,
+        _ => {
+            return Err(SpawnError::Spawn {
+                program: program.to_owned(),
+                source: ReaperError::Spawn(e),
+            })
+        }
+    };
+    Ok(Outcome::NotRunnable {
+        code,
+        message: format!("bulkhead-agent: {program}: {e}\n"),
+    })
+}
+
+/// Builds (but does not start) the command for `req`.
+pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
+    validate(req)?;
+    let mut cmd = Command::new(&req.argv[0]);
+    cmd.args(&req.argv[1..]).env_clear();
+    for entry in &req.env {
+        match entry.split_once('=') {
+            Some((key, value)) if !key.is_empty() => cmd.env(key, value),
+            _ => return Err(SpawnError::BadEnv(entry.clone())),
+        };
+    }
+    if !req.env.iter().any(|e| e.starts_with("PATH=")) {
+        cmd.env("PATH", DEFAULT_PATH);
+    }
+    let cwd = req.cwd.as_deref().unwrap_or("/");
+    if !Path::new(cwd).is_dir() {
+        return Err(SpawnError::BadCwd(cwd.to_owned()));
+    }
+    cmd.current_dir(cwd);
+    if let Some(spec) = &req.user {
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+        let ids = user::resolve(spec, &passwd)?;
+        cmd.uid(ids.uid).gid(ids.gid);
+    }
+    cmd.stdin(if req.stdin {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    // SAFETY: the closure only makes raw system calls (setsid, close_range), which are
+    // async-signal-safe, as required between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // Whatever the agent itself inherited or leaked stays out of the command: every
+            // descriptor above stderr closes at exec. Kernels before 5.11 lack the flag
+            // (ENOSYS/EINVAL); the agent opens everything close-on-exec anyway.
+            libc::syscall(
+                libc::SYS_close_range,
+                3u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            );
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+fn validate(req: &ExecRequest) -> Result<(), SpawnError> {
+    if req.version != PROTOCOL_VERSION {
+        return Err(SpawnError::Version(req.version));
+    }
+    if req.argv.is_empty() {
+        return Err(SpawnError::EmptyArgv);
+    }
+    if req.tty {
+        return Err(SpawnError::Tty);
+    }
+    Ok(())
+}

@@ -1,0 +1,228 @@
+//! One running command: its stdin/signal side ([`ExecWriter`]) and its output side
+//! ([`ExecReader`]).
+
+use std::io::{BufReader, Write};
+use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+
+use super::{classify, ClientError};
+use crate::frame::{encode_raw, read_frame, write_frame, Frame, FrameType};
+use crate::messages::{ExecRequest, ExitStatus, SignalRequest};
+use crate::DATA_CHUNK;
+
+/// Something the command did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    /// Bytes the command wrote to stdout, exactly as written (no decoding, no line buffering).
+    Stdout(Vec<u8>),
+    /// Bytes the command wrote to stderr.
+    Stderr(Vec<u8>),
+    /// The command ended; always the last event.
+    Exit(ExitStatus),
+}
+
+/// Everything a finished command produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// All stdout bytes.
+    pub stdout: Vec<u8>,
+    /// All stderr bytes.
+    pub stderr: Vec<u8>,
+    /// How it ended.
+    pub status: ExitStatus,
+}
+
+/// A started command. Use [`ExecSession::split`] to feed stdin from one thread while another
+/// reads the output: the agent stops reading the connection while the command does not
+/// consume its stdin, so one thread doing both can deadlock.
+#[derive(Debug)]
+pub struct ExecSession {
+    pid: Option<u32>,
+    writer: ExecWriter,
+    reader: ExecReader,
+}
+
+impl ExecSession {
+    /// Sends `request` on `stream` and waits for the agent's first answer.
+    pub(super) fn start(stream: UnixStream, request: &ExecRequest) -> Result<Self, ClientError> {
+        write_frame(&mut &stream, &Frame::Exec(request.clone())).map_err(classify)?;
+        let read_half = stream.try_clone()?;
+        let mut reader = ExecReader {
+            stream: BufReader::with_capacity(64 * 1024, read_half),
+            pending: None,
+            done: false,
+        };
+        let pid = match read_frame(&mut reader.stream).map_err(classify)? {
+            Some(Frame::Started(s)) => Some(s.pid),
+            Some(Frame::Error(e)) => return Err(ClientError::Agent(e.message)),
+            Some(other) => {
+                reader.pending = Some(event_of(other)?);
+                None
+            }
+            None => return Err(ClientError::Closed("starting the command")),
+        };
+        // The command may run for as long as it likes; its own timeout_ms bounds it.
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        let writer = ExecWriter {
+            stream: Arc::new(Mutex::new(stream)),
+        };
+        Ok(Self {
+            pid,
+            writer,
+            reader,
+        })
+    }
+
+    /// Guest pid (= process group id) of the command; `None` when it could not be started
+    /// (the events then carry the reason on stderr and exit code 126/127).
+    pub fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    /// A handle for stdin and signals; clones share the connection.
+    pub fn writer(&self) -> ExecWriter {
+        self.writer.clone()
+    }
+
+    /// Separates the stdin/signal side from the output side, e.g. to use them on two threads.
+    pub fn split(self) -> (ExecWriter, ExecReader) {
+        (self.writer, self.reader)
+    }
+
+    /// The next output event; `Ok(None)` after the `Exit` event.
+    pub fn next_event(&mut self) -> Result<Option<ExecEvent>, ClientError> {
+        self.reader.next_event()
+    }
+
+    /// Reads all output until the command exits. With `stdin: true` in the request, close
+    /// stdin first (or split the session) so the command can finish.
+    pub fn wait_with_output(self) -> Result<ExecOutput, ClientError> {
+        self.reader.collect_output()
+    }
+}
+
+/// The host → guest side of a command: stdin and signals. Clones share one connection, and
+/// each frame is written whole under a lock, so clones may be used from several threads.
+#[derive(Debug, Clone)]
+pub struct ExecWriter {
+    stream: Arc<Mutex<UnixStream>>,
+}
+
+impl ExecWriter {
+    /// Sends `bytes` to the command's stdin (in frames of at most [`DATA_CHUNK`] bytes).
+    /// Blocks while the command does not read. Without `stdin: true` in the request the agent
+    /// drops these bytes.
+    pub fn write_stdin(&self, bytes: &[u8]) -> Result<(), ClientError> {
+        let mut buf = Vec::with_capacity(DATA_CHUNK.min(bytes.len()) + 8);
+        for chunk in bytes.chunks(DATA_CHUNK) {
+            buf.clear();
+            encode_raw(FrameType::Stdin, chunk, &mut buf)?;
+            self.send_bytes(&buf)?;
+        }
+        Ok(())
+    }
+
+    /// Closes the command's stdin (it reads end of file once the bytes sent so far are read).
+    pub fn close_stdin(&self) -> Result<(), ClientError> {
+        self.send(&Frame::StdinEof)
+    }
+
+    /// Delivers signal `signo` (e.g. 15 for SIGTERM) to the command's process group.
+    pub fn signal(&self, signo: i32) -> Result<(), ClientError> {
+        self.send(&Frame::Signal(SignalRequest { signo }))
+    }
+
+    /// Drops the connection in both directions. The agent then sends SIGHUP and, shortly
+    /// after, SIGKILL to the command's process group.
+    pub fn disconnect(&self) -> Result<(), ClientError> {
+        let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        stream.shutdown(Shutdown::Both)?;
+        Ok(())
+    }
+
+    fn send(&self, frame: &Frame) -> Result<(), ClientError> {
+        self.send_bytes(&frame.encode()?)
+    }
+
+    fn send_bytes(&self, bytes: &[u8]) -> Result<(), ClientError> {
+        let mut stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        stream.write_all(bytes).map_err(|e| classify(e.into()))
+    }
+}
+
+/// The guest → host side of a command: its output events until `Exit`. Also an iterator.
+#[derive(Debug)]
+pub struct ExecReader {
+    stream: BufReader<UnixStream>,
+    pending: Option<ExecEvent>,
+    done: bool,
+}
+
+impl ExecReader {
+    /// The next output event; `Ok(None)` after the `Exit` event. The connection ending before
+    /// `Exit` is [`ClientError::Closed`]; an `Error` frame is [`ClientError::Agent`].
+    pub fn next_event(&mut self) -> Result<Option<ExecEvent>, ClientError> {
+        if self.done {
+            return Ok(None);
+        }
+        let event = match self.pending.take() {
+            Some(event) => event,
+            None => match read_frame(&mut self.stream) {
+                Ok(Some(frame)) => event_of(frame).inspect_err(|_| self.done = true)?,
+                Ok(None) => {
+                    self.done = true;
+                    return Err(ClientError::Closed("the command's exit status"));
+                }
+                Err(e) => {
+                    self.done = true;
+                    return Err(classify(e));
+                }
+            },
+        };
+        self.done = matches!(event, ExecEvent::Exit(_));
+        Ok(Some(event))
+    }
+
+    /// Reads all remaining output until the command exits.
+    pub fn collect_output(mut self) -> Result<ExecOutput, ClientError> {
+        let mut stdout = Vec::new();
+        let mut stderr = Vec::new();
+        loop {
+            match self.next_event()? {
+                Some(ExecEvent::Stdout(b)) => stdout.extend_from_slice(&b),
+                Some(ExecEvent::Stderr(b)) => stderr.extend_from_slice(&b),
+                Some(ExecEvent::Exit(status)) => {
+                    return Ok(ExecOutput {
+                        stdout,
+                        stderr,
+                        status,
+                    })
+                }
+                None => return Err(ClientError::Closed("the command's exit status")),
+            }
+        }
+    }
+}
+
+impl Iterator for ExecReader {
+    type Item = Result<ExecEvent, ClientError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_event().transpose()
+    }
+}
+
+fn event_of(frame: Frame) -> Result<ExecEvent, ClientError> {
+    match frame {
+        Frame::Stdout(b) => Ok(ExecEvent::Stdout(b)),
+        Frame::Stderr(b) => Ok(ExecEvent::Stderr(b)),
+        Frame::Exit(status) => Ok(ExecEvent::Exit(status)),
+        Frame::Error(e) => Err(ClientError::Agent(e.message)),
+        other => Err(ClientError::Unexpected {
+            expected: "Stdout, Stderr, Exit or Error",
+            got: other.kind(),
+        }),
+    }
+}

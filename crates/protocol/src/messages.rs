@@ -1,0 +1,162 @@
+//! Control messages: the JSON payloads of the non-data frames.
+//!
+//! Every struct here is encoded with `serde_json` as one JSON object. Unknown fields are
+//! ignored (so a newer peer may add fields); fields marked optional below may be left out.
+//! Requests from the host carry `version` ([`crate::PROTOCOL_VERSION`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::PROTOCOL_VERSION;
+
+/// A pair of guest clock readings, in nanoseconds since the clock's epoch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootTimestamps {
+    /// `CLOCK_BOOTTIME` in ns: time since the guest kernel booted, suspend included.
+    pub boottime_ns: u64,
+    /// `CLOCK_REALTIME` in ns since the Unix epoch (as the guest sees it).
+    pub realtime_ns: u64,
+}
+
+/// Sent by the agent once at boot on a guest-initiated connection to [`crate::READY_PORT`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ready {
+    /// The agent's [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The agent's crate version (`CARGO_PKG_VERSION`), for logs.
+    #[serde(default)]
+    pub agent_version: String,
+    /// Clock readings taken when the agent's `main` started.
+    pub init_started: BootTimestamps,
+    /// Clock readings taken when the agent's listener was bound and listening.
+    pub listening: BootTimestamps,
+}
+
+/// Runs one command. First frame of an exec connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// Must be [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// Program and arguments; `argv[0]` is looked up in the request's `PATH` when it has no `/`.
+    pub argv: Vec<String>,
+    /// The whole environment as `KEY=VALUE` strings (nothing is inherited from the agent).
+    /// When no `PATH=` entry is given the agent adds
+    /// `PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin`.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Working directory (absolute); `/` when absent.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// `name` (looked up in the guest's `/etc/passwd`), `uid` or `uid:gid`; the agent's own
+    /// user (root) when absent.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// When true the host sends `Stdin` frames and a final `StdinEof`; when false the command's
+    /// stdin is `/dev/null`.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Wall-clock limit in ms from the start of the process; when it passes, the whole process
+    /// group is killed with `SIGKILL` and `Exit.timed_out` is true. No limit when absent.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Reserved for pseudo-terminal support; must be false (version 1 has no tty).
+    #[serde(default)]
+    pub tty: bool,
+}
+
+impl ExecRequest {
+    /// A request for `argv` with an empty environment, cwd `/`, no stdin, no timeout.
+    pub fn new<I, S>(argv: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            version: PROTOCOL_VERSION,
+            argv: argv.into_iter().map(Into::into).collect(),
+            env: Vec::new(),
+            cwd: None,
+            user: None,
+            stdin: false,
+            timeout_ms: None,
+            tty: false,
+        }
+    }
+}
+
+/// Sent by the agent once the command's process exists. `pid` is also its process group and
+/// session id (the agent runs every command in a new session).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Started {
+    /// Guest pid of the command (equal to its pgid and sid).
+    pub pid: u32,
+}
+
+/// Delivers a signal to the command's whole process group (`kill(-pgid, signo)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalRequest {
+    /// Signal number as on Linux (1..=64), e.g. 15 for `SIGTERM`.
+    pub signo: i32,
+}
+
+/// How a command ended. Exactly one of `code` and `signal` is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitStatus {
+    /// Exit code (0..=255) when the process exited normally.
+    #[serde(default)]
+    pub code: Option<i32>,
+    /// Number of the signal that terminated the process.
+    #[serde(default)]
+    pub signal: Option<i32>,
+    /// True when the agent killed the process group because `timeout_ms` passed.
+    #[serde(default)]
+    pub timed_out: bool,
+}
+
+impl ExitStatus {
+    /// True for a normal exit with code 0 (and no timeout).
+    pub fn success(&self) -> bool {
+        self.code == Some(0) && !self.timed_out
+    }
+}
+
+/// A request failed; the sender closes the connection after this frame.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorMessage {
+    /// Human-readable reason, e.g. `open /etc/x: No such file or directory (os error 2)`.
+    pub message: String,
+}
+
+/// Writes a whole file. Followed by `Data` frames with the contents and one `End`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileWriteRequest {
+    /// Must be [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// Absolute guest path. Missing parent directories are created (mode 0755).
+    pub path: String,
+    /// Permission bits of the file (e.g. 420 = 0o644), applied exactly (umask ignored).
+    pub mode: u32,
+}
+
+/// Reads a whole regular file. The agent answers with `Data` frames and one `End`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileReadRequest {
+    /// Must be [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// Absolute guest path of a regular file.
+    pub path: String,
+}
+
+/// Asks the agent to sync the guest's filesystems and reboot (which ends the VM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShutdownRequest {
+    /// Must be [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+}
+
+/// Positive answer to a file write or a shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ack {
+    /// Bytes written, for a file write; 0 otherwise.
+    #[serde(default)]
+    pub bytes: u64,
+}
