@@ -1,0 +1,256 @@
+//! `bulkhead run`: boot, wait for the agent, run the command with our stdin forwarded and its
+//! output streamed, destroy the VM, exit with the command's status.
+
+use std::io::{self, Read, Write};
+use std::path::PathBuf;
+use std::thread;
+use std::time::Duration;
+
+use bulkhead_protocol::client::{ExecEvent, ExecWriter};
+use bulkhead_protocol::{ExecRequest, ExitStatus};
+use bulkhead_sandbox::{Sandbox, SandboxConfig};
+use bulkhead_vmm::config::SerialOutput;
+use bulkhead_vmm::vstate::kvm::host_kvm;
+
+/// Exit status reported when `--timeout` expired (as coreutils `timeout` does).
+pub const EXIT_TIMEOUT: u8 = 124;
+
+/// Arguments of `bulkhead run`.
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
+    vcpus: u8,
+    /// Guest memory, MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    memory: u32,
+    /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux].
+    #[arg(long, value_name = "PATH")]
+    kernel: Option<PathBuf>,
+    /// Initramfs with the bulkhead agent as /init [default: $BULKHEAD_INITRD or
+    /// <data dir>/images/default/initramfs.cpio.gz].
+    #[arg(long, value_name = "PATH")]
+    initrd: Option<PathBuf>,
+    /// Environment variable for the command (repeatable).
+    #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = parse_env)]
+    env: Vec<String>,
+    /// Working directory in the guest.
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<String>,
+    /// Kill the command's whole process group after this many seconds (exit status 124).
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
+    /// User to run as in the guest (name, uid or uid:gid).
+    #[arg(long, short = 'u')]
+    user: Option<String>,
+    /// Keep the guest's serial console in this file (off by default).
+    #[arg(long, value_name = "FILE")]
+    console: Option<PathBuf>,
+    /// Seconds to wait for the guest agent to come up.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    boot_timeout: f64,
+    /// Print start-up timings to stderr.
+    #[arg(long)]
+    timings: bool,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+fn parse_env(s: &str) -> Result<String, String> {
+    match s.split_once('=') {
+        Some((k, _)) if !k.is_empty() && !k.contains('\0') => Ok(s.to_owned()),
+        _ => Err(format!("`{s}` is not KEY=VALUE")),
+    }
+}
+
+fn seconds(what: &str, secs: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(secs)
+        .map_err(|_| format!("{what} must be a non-negative number of seconds"))
+}
+
+/// Runs the command; returns the exit status for the process.
+///
+/// # Errors
+/// A message for everything that is bulkhead's failure rather than the command's.
+pub fn run(args: RunArgs) -> Result<u8, String> {
+    let kvm = host_kvm();
+    if !kvm.can_boot_stock_kernel() {
+        return Err(format!(
+            "{}; run bulkhead inside the nested test host instead: `bulkhead-testhost run -- bulkhead run -- CMD` (see README)",
+            kvm.explain()
+        ));
+    }
+    let config = sandbox_config(&args)?;
+    let request = exec_request(&args)?;
+    let sandbox = Sandbox::start(&config).map_err(|e| e.to_string())?;
+    if args.timings {
+        let t = sandbox.timings();
+        eprintln!(
+            "bulkhead: timings: spawn {:.1} ms, agent ready {:.1} ms",
+            t.spawn.as_secs_f64() * 1e3,
+            t.ready.as_secs_f64() * 1e3
+        );
+    }
+    let outcome = run_command(&sandbox, &request);
+    let destroyed = sandbox.destroy();
+    let status = outcome?;
+    if let Err(e) = destroyed {
+        eprintln!("bulkhead: warning: {e}");
+    }
+    Ok(exit_code(&status))
+}
+
+fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
+    let mut config = SandboxConfig {
+        vcpus: args.vcpus,
+        memory_mib: args.memory,
+        ready_timeout: seconds("--boot-timeout", args.boot_timeout)?,
+        ..SandboxConfig::default()
+    };
+    if let Some(kernel) = &args.kernel {
+        config.kernel = kernel.clone();
+    }
+    if let Some(initrd) = &args.initrd {
+        config.initrd = initrd.clone();
+    }
+    if let Some(console) = &args.console {
+        config.console = SerialOutput::File(console.clone());
+    }
+    Ok(config)
+}
+
+fn exec_request(args: &RunArgs) -> Result<ExecRequest, String> {
+    let mut request = ExecRequest::new(args.command.clone());
+    request.env = default_env(&args.env);
+    request.cwd = args.workdir.clone();
+    request.user = args.user.clone();
+    request.stdin = true;
+    request.timeout_ms = match args.timeout {
+        Some(secs) => Some(seconds("--timeout", secs)?.as_millis() as u64),
+        None => None,
+    };
+    Ok(request)
+}
+
+/// The guest command's environment: a sensible base (PATH, HOME, TERM) overridden by `-e`.
+fn default_env(overrides: &[String]) -> Vec<String> {
+    let mut env = vec![
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
+        "HOME=/root".to_owned(),
+        "TERM=dumb".to_owned(),
+    ];
+    for kv in overrides {
+        let key = kv.split('=').next().unwrap_or_default();
+        env.retain(|e| e.split('=').next() != Some(key));
+        env.push(kv.clone());
+    }
+    env
+}
+
+fn run_command(sandbox: &Sandbox, request: &ExecRequest) -> Result<ExitStatus, String> {
+    let session = sandbox.exec(request).map_err(|e| e.to_string())?;
+    let (writer, mut reader) = session.split();
+    forward_stdin(writer);
+    let mut stdout = io::stdout().lock();
+    let mut stderr = io::stderr();
+    loop {
+        match reader.next_event().map_err(|e| e.to_string())? {
+            Some(ExecEvent::Stdout(bytes)) => write_out(&mut stdout, &bytes),
+            Some(ExecEvent::Stderr(bytes)) => write_out(&mut stderr, &bytes),
+            Some(ExecEvent::Exit(status)) => {
+                let _ = stdout.flush();
+                return Ok(status);
+            }
+            None => {
+                return Err("the guest agent closed the connection without an exit status".into())
+            }
+        }
+    }
+}
+
+fn write_out(out: &mut impl Write, bytes: &[u8]) {
+    // A closed stdout/stderr on our side must not abort the command's run.
+    if out.write_all(bytes).and_then(|()| out.flush()).is_err() {
+        tracing::debug!("local output closed");
+    }
+}
+
+/// Copies our stdin to the command until EOF, on a detached thread (it may block on a terminal
+/// after the command is done; the process exits without waiting for it).
+fn forward_stdin(writer: ExecWriter) {
+    thread::spawn(move || {
+        let mut stdin = io::stdin().lock();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    if writer.write_stdin(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+        }
+        let _ = writer.close_stdin();
+    });
+}
+
+/// The process exit status for the command's status.
+fn exit_code(status: &ExitStatus) -> u8 {
+    if status.timed_out {
+        eprintln!("bulkhead: the command timed out and was killed");
+        return EXIT_TIMEOUT;
+    }
+    match (status.code, status.signal) {
+        (Some(code), _) => code.clamp(0, 255) as u8,
+        (None, Some(sig)) => (128 + sig).clamp(0, 255) as u8,
+        (None, None) => crate::EXIT_BULKHEAD_ERROR,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_map_to_128_plus_n_and_timeouts_to_124() {
+        let killed = ExitStatus {
+            code: None,
+            signal: Some(9),
+            timed_out: false,
+        };
+        let timed_out = ExitStatus {
+            code: None,
+            signal: Some(9),
+            timed_out: true,
+        };
+        let seven = ExitStatus {
+            code: Some(7),
+            signal: None,
+            timed_out: false,
+        };
+
+        assert_eq!(exit_code(&killed), 137);
+        assert_eq!(exit_code(&timed_out), 124);
+        assert_eq!(exit_code(&seven), 7);
+    }
+
+    #[test]
+    fn env_overrides_replace_defaults() {
+        let env = default_env(&["PATH=/x".into(), "A=b=c".into()]);
+
+        assert!(env.contains(&"PATH=/x".to_owned()));
+        assert!(!env.iter().any(|e| e.starts_with("PATH=/usr")));
+        assert!(env.contains(&"A=b=c".to_owned()));
+    }
+
+    #[test]
+    fn env_flags_must_be_key_value() {
+        assert!(parse_env("A=1").is_ok());
+        assert!(parse_env("=1").is_err());
+        assert!(parse_env("novalue").is_err());
+    }
+}

@@ -1,0 +1,25 @@
+//! The host side of a bulkhead sandbox.
+//!
+//! A [`Sandbox`] is one microVM in its own `bulkhead-vmm` process, with the guest agent reachable
+//! over virtio-vsock (Firecracker's hybrid Unix-socket protocol). Starting one:
+//!
+//! 1. creates a private runtime directory holding the VM's configuration, its vsock socket
+//!    (`vm.sock`) and the VMM's log;
+//! 2. binds the readiness listener `vm.sock_1025` *before* the VM starts, so the agent's
+//!    announcement (a guest connection to CID 2, port [`READY_PORT`]) cannot be missed;
+//! 3. spawns `bulkhead-vmm --config vm.json`;
+//! 4. waits, without polling, until either the agent announces itself or the VMM exits
+//!    (`poll(2)` on the listener and a pidfd of the VMM process).
+//!
+//! Commands then run through [`Sandbox::exec`]; [`Sandbox::destroy`] (or dropping the sandbox)
+//! stops the VMM with SIGTERM, escalates to SIGKILL after a grace period, and removes the runtime
+//! directory.
+//!
+//! [`READY_PORT`]: bulkhead_protocol::READY_PORT
+#![deny(missing_docs)]
+
+pub mod paths;
+mod process;
+mod sandbox;
+
+pub use sandbox::{Error, Sandbox, SandboxConfig, Timings};

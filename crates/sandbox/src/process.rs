@@ -1,0 +1,191 @@
+//! The `bulkhead-vmm` child process: spawning it, waiting for "agent ready or VMM exited" without
+//! polling, and stopping it.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// Spawns `vmm --config <config>` with stdout/stderr appended to `log`. With `kill_on_parent_exit`
+/// the VMM receives SIGTERM when the spawning thread exits (PR_SET_PDEATHSIG), so a crashed
+/// client never leaves a VM behind.
+pub(crate) fn spawn_vmm(
+    vmm: &Path,
+    config: &Path,
+    log: &Path,
+    kill_on_parent_exit: bool,
+) -> io::Result<Child> {
+    let out = File::options().create(true).append(true).open(log)?;
+    let err = out.try_clone()?;
+    let mut cmd = Command::new(vmm);
+    cmd.arg("--config")
+        .arg(config)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    if kill_on_parent_exit {
+        // SAFETY: the closure runs in the child between fork and exec and only calls prctl, which
+        // is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    cmd.spawn()
+}
+
+/// A pidfd for `child` (pidfd_open(2), Linux ≥ 5.3): readable once the process exits.
+pub(crate) fn pidfd(child: &Child) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a freshly opened descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// What [`wait_either`] saw first.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Woken {
+    /// `ready_fd` is readable (a connection is waiting on the listener).
+    Ready,
+    /// The process behind `pidfd` exited.
+    Exited,
+    /// Neither happened within the timeout.
+    TimedOut,
+}
+
+/// Blocks until `ready_fd` is readable, `pidfd` signals exit, or `timeout` passes.
+pub(crate) fn wait_either(
+    ready_fd: &impl AsRawFd,
+    pidfd: &OwnedFd,
+    timeout: Duration,
+) -> io::Result<Woken> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: ready_fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: pidfd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a valid array of two pollfd structs for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if fds[1].revents != 0 {
+            return Ok(Woken::Exited);
+        }
+        if fds[0].revents != 0 {
+            return Ok(Woken::Ready);
+        }
+        if n == 0 {
+            return Ok(Woken::TimedOut);
+        }
+    }
+}
+
+/// Sends SIGTERM, waits up to `grace` for the process to exit (on its pidfd), then SIGKILLs it.
+/// Returns its exit status.
+pub(crate) fn terminate(child: &mut Child, grace: Duration) -> io::Result<ExitStatus> {
+    if let Some(status) = child.try_wait()? {
+        return Ok(status);
+    }
+    // SAFETY: kill with a pid we own (not yet reaped, so it cannot have been recycled).
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let exited = match pidfd(child) {
+        Ok(fd) => wait_pidfd(&fd, grace)?,
+        Err(_) => false,
+    };
+    if !exited {
+        tracing::warn!("bulkhead-vmm {} ignored SIGTERM; killing it", child.id());
+        child.kill()?;
+    }
+    child.wait()
+}
+
+fn wait_pidfd(fd: &OwnedFd, timeout: Duration) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    loop {
+        // SAFETY: `pfd` is a valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    #[test]
+    fn exit_of_the_child_wakes_the_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = UnixListener::bind(dir.path().join("l")).unwrap();
+        let mut child = Command::new("true").spawn().unwrap();
+        let fd = pidfd(&child).unwrap();
+
+        let woken = wait_either(&listener, &fd, Duration::from_secs(30)).unwrap();
+
+        assert_eq!(woken, Woken::Exited);
+        assert!(child.wait().unwrap().success());
+    }
+
+    #[test]
+    fn a_pending_connection_wakes_the_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l");
+        let listener = UnixListener::bind(&path).unwrap();
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let fd = pidfd(&child).unwrap();
+        let _client = std::os::unix::net::UnixStream::connect(&path).unwrap();
+
+        let woken = wait_either(&listener, &fd, Duration::from_secs(30)).unwrap();
+
+        assert_eq!(woken, Woken::Ready);
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn terminate_ends_a_running_child() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+
+        let status = terminate(&mut child, Duration::from_secs(10)).unwrap();
+
+        assert!(!status.success());
+    }
+}

@@ -1,0 +1,442 @@
+//! [`Sandbox`]: one microVM with a guest agent, driven from the host.
+
+use std::fs;
+use std::io;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use bulkhead_protocol::client::{accept_ready, AgentClient, ClientError, ExecSession};
+use bulkhead_protocol::{ExecRequest, Ready, READY_PORT};
+use bulkhead_vmm::boot::cmdline::DEFAULT_CMDLINE;
+use bulkhead_vmm::config::{SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID};
+
+use crate::paths;
+use crate::process::{self, Woken};
+
+/// How long the VMM gets to stop after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Lines of the VMM log quoted in errors.
+const LOG_TAIL_LINES: usize = 20;
+
+/// Errors from starting or using a sandbox.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file the sandbox needs does not exist.
+    #[error("{what} {path} not found{hint}")]
+    Missing {
+        /// "kernel", "initramfs" or "bulkhead-vmm".
+        what: &'static str,
+        /// The path looked at.
+        path: PathBuf,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// The runtime directory or a file in it could not be created.
+    #[error("cannot prepare the sandbox runtime directory {path}: {source}")]
+    RuntimeDir {
+        /// The directory.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The VMM process could not be started.
+    #[error("cannot start {vmm}: {source}")]
+    Spawn {
+        /// The VMM binary.
+        vmm: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The VMM exited before the guest agent was ready.
+    #[error("the VM exited before its agent was ready ({status}); VMM log:\n{log}")]
+    VmExited {
+        /// The VMM's exit status.
+        status: String,
+        /// The last lines of the VMM's output.
+        log: String,
+    },
+    /// The agent did not announce itself in time; the VM was destroyed.
+    #[error("the guest agent was not ready within {0:?}; the VM was destroyed (does the kernel have virtio-vsock, and is the initramfs's /init the bulkhead agent?)")]
+    ReadyTimeout(Duration),
+    /// The agent's announcement was invalid.
+    #[error("bad readiness announcement from the guest agent: {0}")]
+    Ready(ClientError),
+    /// Talking to the agent failed.
+    #[error(transparent)]
+    Agent(#[from] ClientError),
+    /// Waiting for or stopping the VMM failed.
+    #[error("cannot manage the VMM process: {0}")]
+    Process(io::Error),
+}
+
+/// What a sandbox boots and with which resources.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// Guest kernel (ELF vmlinux or bzImage).
+    pub kernel: PathBuf,
+    /// Initramfs whose `/init` is the bulkhead agent.
+    pub initrd: PathBuf,
+    /// Number of vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM, MiB.
+    pub memory_mib: u32,
+    /// Extra kernel command-line parameters, appended to the defaults.
+    pub extra_cmdline: Vec<String>,
+    /// Guest serial console: off by default; a file to keep it.
+    pub console: SerialOutput,
+    /// The `bulkhead-vmm` binary.
+    pub vmm_binary: PathBuf,
+    /// Parent of the sandbox's runtime directory.
+    pub runtime_dir: PathBuf,
+    /// How long to wait for the agent to announce itself.
+    pub ready_timeout: Duration,
+    /// Stop the VMM (SIGTERM) when the thread that started it exits.
+    pub kill_on_parent_exit: bool,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        SandboxConfig {
+            kernel: paths::default_kernel(),
+            initrd: paths::default_initrd(),
+            vcpus: 1,
+            memory_mib: 256,
+            extra_cmdline: Vec::new(),
+            console: SerialOutput::Off,
+            vmm_binary: paths::vmm_binary(),
+            runtime_dir: paths::runtime_dir(),
+            ready_timeout: Duration::from_secs(60),
+            kill_on_parent_exit: true,
+        }
+    }
+}
+
+/// Start-up phase timings of a sandbox, as the host saw them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timings {
+    /// From the start of [`Sandbox::start`] to the VMM process being spawned.
+    pub spawn: Duration,
+    /// From the start of [`Sandbox::start`] to the agent's readiness announcement.
+    pub ready: Duration,
+}
+
+/// A running microVM with its guest agent ready.
+#[derive(Debug)]
+pub struct Sandbox {
+    dir: Option<tempfile::TempDir>,
+    child: Option<Child>,
+    uds_path: PathBuf,
+    ready: Ready,
+    timings: Timings,
+}
+
+impl Sandbox {
+    /// Boots a sandbox and waits for its agent.
+    ///
+    /// # Errors
+    /// [`Error::Missing`] for absent kernel/initramfs/VMM, [`Error::VmExited`] with the VMM's log
+    /// when the VM fails to boot, [`Error::ReadyTimeout`] (the VM is destroyed), and the rest of
+    /// [`Error`]. Nothing is left running or on disk when this fails.
+    pub fn start(config: &SandboxConfig) -> Result<Sandbox, Error> {
+        let started = Instant::now();
+        check_inputs(config)?;
+        let dir = make_runtime_dir(&config.runtime_dir)?;
+        let uds_path = dir.path().join("vm.sock");
+        let ready_path = dir.path().join(format!("vm.sock_{READY_PORT}"));
+        let listener = UnixListener::bind(&ready_path).map_err(|source| Error::RuntimeDir {
+            path: ready_path.clone(),
+            source,
+        })?;
+        let config_path = dir.path().join("vm.json");
+        write_vm_config(config, &uds_path, &config_path)?;
+        let log_path = dir.path().join("vmm.log");
+        let mut child = process::spawn_vmm(
+            &config.vmm_binary,
+            &config_path,
+            &log_path,
+            config.kill_on_parent_exit,
+        )
+        .map_err(|source| Error::Spawn {
+            vmm: config.vmm_binary.clone(),
+            source,
+        })?;
+        let spawn = started.elapsed();
+        let ready = match wait_ready(&listener, &mut child, &log_path, config.ready_timeout) {
+            Ok(ready) => ready,
+            Err(e) => {
+                let _ = process::terminate(&mut child, STOP_GRACE);
+                return Err(e);
+            }
+        };
+        let timings = Timings {
+            spawn,
+            ready: started.elapsed(),
+        };
+        Ok(Sandbox {
+            dir: Some(dir),
+            child: Some(child),
+            uds_path,
+            ready,
+            timings,
+        })
+    }
+
+    /// A client for the guest agent (a new vsock connection per request).
+    pub fn client(&self) -> AgentClient {
+        AgentClient::hybrid(&self.uds_path)
+    }
+
+    /// Starts a command in the guest.
+    ///
+    /// # Errors
+    /// [`Error::Agent`] when the request cannot be delivered.
+    pub fn exec(&self, request: &ExecRequest) -> Result<ExecSession, Error> {
+        Ok(self.client().exec(request)?)
+    }
+
+    /// The agent's readiness announcement (its version and guest-clock timestamps).
+    pub fn ready_info(&self) -> &Ready {
+        &self.ready
+    }
+
+    /// Host-side start-up timings.
+    pub fn timings(&self) -> Timings {
+        self.timings
+    }
+
+    /// The VM's vsock Unix socket (for hybrid-protocol clients).
+    pub fn vsock_path(&self) -> &Path {
+        &self.uds_path
+    }
+
+    /// Process ID of the sandbox's `bulkhead-vmm`.
+    pub fn vmm_pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Stops the VM (SIGTERM, then SIGKILL after a grace period) and removes its runtime
+    /// directory.
+    ///
+    /// # Errors
+    /// [`Error::Process`] when the VMM cannot be stopped or reaped.
+    pub fn destroy(mut self) -> Result<(), Error> {
+        self.teardown()
+    }
+
+    fn teardown(&mut self) -> Result<(), Error> {
+        let result = match self.child.take() {
+            Some(mut child) => process::terminate(&mut child, STOP_GRACE)
+                .map(|_| ())
+                .map_err(Error::Process),
+            None => Ok(()),
+        };
+        if let Some(dir) = self.dir.take() {
+            if let Err(e) = dir.close() {
+                tracing::warn!("cannot remove the sandbox runtime directory: {e}");
+            }
+        }
+        result
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if let Err(e) = self.teardown() {
+            tracing::warn!("sandbox teardown: {e}");
+        }
+    }
+}
+
+fn check_inputs(config: &SandboxConfig) -> Result<(), Error> {
+    let setup_hint = "; run scripts/setup.sh or pass the path explicitly";
+    for (what, path) in [("kernel", &config.kernel), ("initramfs", &config.initrd)] {
+        if !path.is_file() {
+            return Err(Error::Missing {
+                what,
+                path: path.clone(),
+                hint: setup_hint,
+            });
+        }
+    }
+    let vmm = &config.vmm_binary;
+    if vmm.components().count() > 1 && !vmm.is_file() {
+        return Err(Error::Missing {
+            what: "bulkhead-vmm",
+            path: vmm.clone(),
+            hint: "; build it with `cargo build -p bulkhead-vmm` or set BULKHEAD_VMM",
+        });
+    }
+    Ok(())
+}
+
+fn make_runtime_dir(parent: &Path) -> Result<tempfile::TempDir, Error> {
+    let err = |source| Error::RuntimeDir {
+        path: parent.to_owned(),
+        source,
+    };
+    fs::create_dir_all(parent).map_err(err)?;
+    tempfile::Builder::new()
+        .prefix("sb-")
+        .tempdir_in(parent)
+        .map_err(err)
+}
+
+fn write_vm_config(config: &SandboxConfig, uds_path: &Path, path: &Path) -> Result<(), Error> {
+    let mut cmdline = format!("{DEFAULT_CMDLINE} quiet");
+    for extra in &config.extra_cmdline {
+        cmdline.push(' ');
+        cmdline.push_str(extra);
+    }
+    let vm = VmConfig {
+        kernel: config.kernel.clone(),
+        initrd: Some(config.initrd.clone()),
+        cmdline: Some(cmdline),
+        vcpus: config.vcpus,
+        memory_mib: config.memory_mib,
+        serial: config.console.clone(),
+        debugcon: None,
+        vsock: Some(VsockConfig {
+            guest_cid: DEFAULT_GUEST_CID,
+            uds_path: uds_path.to_owned(),
+        }),
+    };
+    let json = serde_json::to_vec_pretty(&vm).map_err(|e| Error::RuntimeDir {
+        path: path.to_owned(),
+        source: io::Error::other(e),
+    })?;
+    fs::write(path, json).map_err(|source| Error::RuntimeDir {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn wait_ready(
+    listener: &UnixListener,
+    child: &mut Child,
+    log: &Path,
+    timeout: Duration,
+) -> Result<Ready, Error> {
+    let pidfd = process::pidfd(child).map_err(Error::Process)?;
+    match process::wait_either(listener, &pidfd, timeout).map_err(Error::Process)? {
+        Woken::Ready => accept_ready(listener, Duration::from_secs(10)).map_err(Error::Ready),
+        Woken::Exited => {
+            let status = child.wait().map_err(Error::Process)?;
+            Err(Error::VmExited {
+                status: status.to_string(),
+                log: log_tail(log),
+            })
+        }
+        Woken::TimedOut => Err(Error::ReadyTimeout(timeout)),
+    }
+}
+
+fn log_tail(path: &Path) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines.len().saturating_sub(LOG_TAIL_LINES);
+    lines[start..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_in(dir: &Path) -> SandboxConfig {
+        let kernel = dir.join("vmlinux");
+        let initrd = dir.join("initrd");
+        fs::write(&kernel, b"k").unwrap();
+        fs::write(&initrd, b"i").unwrap();
+        SandboxConfig {
+            kernel,
+            initrd,
+            runtime_dir: dir.join("run"),
+            ready_timeout: Duration::from_secs(30),
+            ..SandboxConfig::default()
+        }
+    }
+
+    #[test]
+    fn missing_kernel_is_reported_with_a_hint() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config_in(dir.path());
+        config.kernel = dir.path().join("nope");
+
+        let err = Sandbox::start(&config).unwrap_err();
+
+        assert!(matches!(err, Error::Missing { what: "kernel", .. }));
+        assert!(err.to_string().contains("scripts/setup.sh"), "{err}");
+    }
+
+    #[test]
+    fn a_vmm_that_exits_early_is_reported_with_its_log_and_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let vmm = dir.path().join("fake-vmm");
+        fs::write(
+            &vmm,
+            "#!/bin/sh\necho 'bulkhead-vmm: error: boom' >&2\nexit 1\n",
+        )
+        .unwrap();
+        fs::set_permissions(&vmm, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let mut config = config_in(dir.path());
+        config.vmm_binary = vmm;
+
+        let err = Sandbox::start(&config).unwrap_err();
+
+        assert!(matches!(err, Error::VmExited { .. }), "{err}");
+        assert!(err.to_string().contains("boom"), "{err}");
+        let left: Vec<_> = fs::read_dir(dir.path().join("run")).unwrap().collect();
+        assert!(left.is_empty(), "runtime dir not cleaned: {left:?}");
+    }
+
+    #[test]
+    fn an_agent_that_never_comes_up_times_out_and_the_vmm_is_stopped() {
+        let dir = tempfile::tempdir().unwrap();
+        let vmm = dir.path().join("fake-vmm");
+        let pidfile = dir.path().join("pid");
+        fs::write(
+            &vmm,
+            format!(
+                "#!/bin/sh\necho $$ > {}\nexec sleep 60\n",
+                pidfile.display()
+            ),
+        )
+        .unwrap();
+        fs::set_permissions(&vmm, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let mut config = config_in(dir.path());
+        config.vmm_binary = vmm;
+        config.ready_timeout = Duration::from_millis(300);
+
+        let err = Sandbox::start(&config).unwrap_err();
+
+        assert!(matches!(err, Error::ReadyTimeout(_)), "{err}");
+        let pid: i32 = fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // SAFETY: signal 0 only checks for existence.
+        let alive = unsafe { libc::kill(pid, 0) } == 0;
+        assert!(!alive, "the VMM process {pid} is still running");
+    }
+
+    #[test]
+    fn vm_config_has_vsock_and_quiet_cmdline() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config_in(dir.path());
+        config.extra_cmdline = vec!["bulkhead.hostname=x".into()];
+        let path = dir.path().join("vm.json");
+
+        write_vm_config(&config, Path::new("/run/x/vm.sock"), &path).unwrap();
+        let vm = VmConfig::from_file(&path).unwrap();
+
+        assert_eq!(vm.vsock.unwrap().uds_path, PathBuf::from("/run/x/vm.sock"));
+        let cmdline = vm.cmdline.unwrap();
+        assert!(
+            cmdline.contains("quiet") && cmdline.ends_with("bulkhead.hostname=x"),
+            "{cmdline}"
+        );
+    }
+}
