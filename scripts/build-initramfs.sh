@@ -37,6 +37,7 @@ fi
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
+chmod 0755 "$stage"   # the image's / : mktemp's 0700 would lock every non-root user out
 mkdir -p "$stage"/{bin,sbin,dev,proc,sys,tmp,run,etc,root,usr/bin,usr/sbin}
 chmod 1777 "$stage/tmp"
 install -m 0755 "$init" "$stage/init"

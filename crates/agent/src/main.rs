@@ -62,7 +62,7 @@ fn ready_message(init_started: BootTimestamps) -> Ready {
 
 fn run_pid1(started: BootTimestamps) -> ! {
     init::setup();
-    if let Err(e) = reaper::start() {
+    if let Err(e) = reaper::start(true) {
         log!("{e}; rebooting");
         init::reboot();
     }
@@ -83,7 +83,7 @@ fn run_test_mode(started: BootTimestamps, listen: PathBuf, ready: Option<PathBuf
     // Orphans of the commands we run come to us, as they would to PID 1.
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    if let Err(e) = reaper::start() {
+    if let Err(e) = reaper::start(false) {
         log!("{e}");
         return ExitCode::FAILURE;
     }

@@ -47,21 +47,39 @@ fn waiters() -> Result<MutexGuard<'static, Waiters>, ReaperError> {
     Ok(table.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
-fn sigchld_set() -> libc::sigset_t {
+/// Signals that ask PID 1 to end the system: busybox `halt` (SIGUSR1), `poweroff` (SIGUSR2),
+/// `reboot` (SIGTERM), and SIGINT (ctrl-alt-del) and SIGPWR. bulkhead ends the VM on all of
+/// them, since an x86 guest without ACPI cannot power off by itself (its CPUs would just halt).
+const SHUTDOWN_SIGNALS: [libc::c_int; 5] = [
+    libc::SIGTERM,
+    libc::SIGINT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+    libc::SIGPWR,
+];
+
+fn signal_set(shutdown_signals: bool) -> libc::sigset_t {
     let mut set = MaybeUninit::<libc::sigset_t>::uninit();
     // SAFETY: sigemptyset initialises the set it is given; sigaddset then modifies that
-    // initialised set; SIGCHLD is a valid signal number.
+    // initialised set; all signal numbers are valid.
     unsafe {
         libc::sigemptyset(set.as_mut_ptr());
         libc::sigaddset(set.as_mut_ptr(), libc::SIGCHLD);
+        if shutdown_signals {
+            for sig in SHUTDOWN_SIGNALS {
+                libc::sigaddset(set.as_mut_ptr(), sig);
+            }
+        }
         set.assume_init()
     }
 }
 
-/// Blocks SIGCHLD in the calling thread (and so in every thread it creates later) and starts
-/// the reaper thread. Call once, from `main`, before creating any other thread.
-pub fn start() -> Result<(), ReaperError> {
-    let set = sigchld_set();
+/// Blocks SIGCHLD (and, with `shutdown_signals`, the signals busybox's halt/poweroff/reboot send
+/// to PID 1) in the calling thread, and so in every thread it creates later, and starts the
+/// reaper thread, which reaps children on SIGCHLD and reboots the guest (ending the VM) on a
+/// shutdown signal. Call once, from `main`, before creating any other thread.
+pub fn start(shutdown_signals: bool) -> Result<(), ReaperError> {
+    let set = signal_set(shutdown_signals);
     // SAFETY: `set` is an initialised sigset_t; the old mask is not wanted (null).
     let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     if rc != 0 {
@@ -73,17 +91,23 @@ pub fn start() -> Result<(), ReaperError> {
     thread::Builder::new()
         .name("reaper".into())
         .spawn(move || loop {
-            wait_for_sigchld(&set);
-            reap_all();
+            let signo = wait_for_signal(&set);
+            if signo == libc::SIGCHLD {
+                reap_all();
+            } else {
+                crate::log!("signal {signo}: shutting the guest down");
+                crate::init::reboot();
+            }
         })
         .map_err(ReaperError::Start)?;
     Ok(())
 }
 
-fn wait_for_sigchld(set: &libc::sigset_t) {
+fn wait_for_signal(set: &libc::sigset_t) -> libc::c_int {
     let mut signo: libc::c_int = 0;
     // SAFETY: `set` and `signo` are valid for the duration of the call.
     unsafe { libc::sigwait(set, &mut signo) };
+    signo
 }
 
 /// Collects every child that has exited and hands registered pids their status.

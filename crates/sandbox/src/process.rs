@@ -125,6 +125,11 @@ pub(crate) fn terminate(child: &mut Child, grace: Duration) -> io::Result<ExitSt
     child.wait()
 }
 
+/// Waits up to `timeout` for `child` to exit, without reaping it; true if it did.
+pub(crate) fn wait_exit(child: &Child, timeout: Duration) -> io::Result<bool> {
+    wait_pidfd(&pidfd(child)?, timeout)
+}
+
 fn wait_pidfd(fd: &OwnedFd, timeout: Duration) -> io::Result<bool> {
     let mut pfd = libc::pollfd {
         fd: fd.as_raw_fd(),

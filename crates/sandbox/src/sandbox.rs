@@ -217,6 +217,26 @@ impl Sandbox {
         self.child.as_ref().map(Child::id)
     }
 
+    /// Waits up to `timeout` for the VM to end by itself (the guest rebooted or powered off);
+    /// returns the VMM's exit status, or `None` if it is still running.
+    ///
+    /// # Errors
+    /// [`Error::Process`] when waiting fails.
+    pub fn wait_exit(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<std::process::ExitStatus>, Error> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(None);
+        };
+        if !process::wait_exit(child, timeout).map_err(Error::Process)? {
+            return Ok(None);
+        }
+        let status = child.wait().map_err(Error::Process)?;
+        self.child = None;
+        Ok(Some(status))
+    }
+
     /// Stops the VM (SIGTERM, then SIGKILL after a grace period) and removes its runtime
     /// directory.
     ///
@@ -302,6 +322,7 @@ fn write_vm_config(config: &SandboxConfig, uds_path: &Path, path: &Path) -> Resu
             guest_cid: DEFAULT_GUEST_CID,
             uds_path: uds_path.to_owned(),
         }),
+        disks: Vec::new(),
     };
     let json = serde_json::to_vec_pretty(&vm).map_err(|e| Error::RuntimeDir {
         path: path.to_owned(),

@@ -8,21 +8,23 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use event_manager::SubscriberOps;
+use event_manager::{MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::VcpuFd;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch;
 use crate::boot;
-use crate::config::{SerialOutput, VmConfig, VsockConfig};
+use crate::config::{DiskConfig, SerialOutput, VmConfig};
 use crate::device_manager::{self, MmioDeviceManager};
 use crate::devices::bus::{self, Bus};
 use crate::devices::legacy::debugcon::{DebugCon, DEBUGCON_PORT};
 use crate::devices::legacy::i8042::{I8042, I8042_KBD_IRQ, I8042_PORT, I8042_PORT_COUNT};
 use crate::devices::legacy::serial::{self, SerialDevice, COM1_IRQ, COM1_PORT, COM1_PORT_COUNT};
 use crate::devices::legacy::EventFdTrigger;
+use crate::devices::virtio::block::{self, Block, BlockConfig};
 use crate::devices::virtio::vsock::{self, Vsock};
+use crate::devices::virtio::VirtioDevice;
 use crate::vmm::{BootTimeline, EventLoop, Vmm};
 use crate::vstate::kvm::{self, KvmContext, KVM_PATH};
 use crate::vstate::vcpu::{Vcpu, VcpuShared};
@@ -34,6 +36,16 @@ pub enum Error {
     /// The configuration is invalid.
     #[error(transparent)]
     Config(#[from] crate::config::Error),
+    /// An input file (kernel, initramfs) cannot be read.
+    #[error("cannot read {what} {path}: {source}")]
+    Input {
+        /// "kernel" or "initramfs".
+        what: &'static str,
+        /// The path given.
+        path: std::path::PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// KVM could not be opened or lacks a capability.
     #[error(transparent)]
     Kvm(#[from] kvm::Error),
@@ -80,6 +92,9 @@ pub enum Error {
     /// The vsock device could not be created.
     #[error("vsock: {0}")]
     Vsock(#[from] vsock::Error),
+    /// A disk could not be opened.
+    #[error("disk: {0}")]
+    Block(#[from] block::Error),
     /// A virtio device could not be placed.
     #[error(transparent)]
     DeviceManager(#[from] device_manager::Error),
@@ -114,6 +129,10 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
         ..Default::default()
     };
     config.validate()?;
+    check_readable("kernel", &config.kernel)?;
+    if let Some(initrd) = &config.initrd {
+        check_readable("initramfs", initrd)?;
+    }
     let kvm = KvmContext::open(kvm_path)?;
     if usize::from(config.vcpus) > kvm.max_vcpus() {
         return Err(Error::TooManyVcpus {
@@ -127,18 +146,20 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
 
     let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
     let mut event_manager = EventLoop::new().map_err(|e| Error::EventLoop(e.to_string()))?;
-    let mut mmio = Bus::default();
-    let mut devices = MmioDeviceManager::default();
+    let mut virtio = VirtioContext {
+        vm: &vm,
+        mem: &guest_memory,
+        mmio: Bus::default(),
+        devices: MmioDeviceManager::default(),
+        event_manager: &mut event_manager,
+    };
     if let Some(vsock) = &config.vsock {
-        attach_vsock(
-            vsock,
-            &vm,
-            &guest_memory,
-            &mut mmio,
-            &mut devices,
-            &mut event_manager,
-        )?;
+        virtio.attach(Vsock::new(vsock.guest_cid, &vsock.uds_path)?)?;
     }
+    for disk in &config.disks {
+        virtio.attach(Block::new(block_config(disk))?)?;
+    }
+    let VirtioContext { mmio, devices, .. } = virtio;
 
     let entry = load_payload(config, &guest_memory, devices.cmdline_params())?;
     let vcpu_fds = create_vcpus(&kvm, &vm, &guest_memory, config.vcpus, entry)?;
@@ -162,6 +183,23 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
         timeline,
         event_manager,
     })
+}
+
+/// Fails early, before touching KVM, when an input file cannot be opened for reading.
+fn check_readable(what: &'static str, path: &Path) -> Result<(), Error> {
+    match std::fs::File::open(path) {
+        Ok(f) if f.metadata().is_ok_and(|m| m.is_file()) => Ok(()),
+        Ok(_) => Err(Error::Input {
+            what,
+            path: path.to_owned(),
+            source: std::io::Error::other("not a regular file"),
+        }),
+        Err(source) => Err(Error::Input {
+            what,
+            path: path.to_owned(),
+            source,
+        }),
+    }
 }
 
 /// Loads kernel, initramfs and command line, writes the boot structures; returns the kernel entry.
@@ -191,19 +229,37 @@ fn load_payload(
     Ok(kernel.entry)
 }
 
-/// Creates the virtio-vsock device, places it on the MMIO bus and adds it to the event loop.
-fn attach_vsock(
-    config: &VsockConfig,
-    vm: &vm::Vm,
-    mem: &GuestMemoryMmap,
-    mmio: &mut Bus,
-    devices: &mut MmioDeviceManager,
-    event_manager: &mut EventLoop,
-) -> Result<(), Error> {
-    let vsock = Arc::new(Mutex::new(Vsock::new(config.guest_cid, &config.uds_path)?));
-    devices.register(vm, mem, mmio, vsock.clone())?;
-    event_manager.add_subscriber(vsock);
-    Ok(())
+/// What placing a virtio device needs: the VM, guest memory, the MMIO bus being built, the
+/// address/IRQ allocator and the event loop.
+struct VirtioContext<'a> {
+    vm: &'a vm::Vm,
+    mem: &'a GuestMemoryMmap,
+    mmio: Bus,
+    devices: MmioDeviceManager,
+    event_manager: &'a mut EventLoop,
+}
+
+impl VirtioContext<'_> {
+    /// Places `device` behind a virtio-mmio transport and adds it to the event loop. Devices are
+    /// announced to the guest in this order (so the first disk is `/dev/vda`).
+    fn attach<D>(&mut self, device: D) -> Result<(), Error>
+    where
+        D: VirtioDevice + MutEventSubscriber + 'static,
+    {
+        let device = Arc::new(Mutex::new(device));
+        self.devices
+            .register(self.vm, self.mem, &mut self.mmio, device.clone())?;
+        self.event_manager.add_subscriber(device);
+        Ok(())
+    }
+}
+
+fn block_config(disk: &DiskConfig) -> BlockConfig {
+    BlockConfig {
+        path: disk.path.clone(),
+        read_only: disk.read_only,
+        id: disk.id.clone(),
+    }
 }
 
 fn create_vcpus(

@@ -9,7 +9,8 @@
 //!   "memory_mib": 256,
 //!   "serial": "stdout",
 //!   "debugcon": "/tmp/debug.log",
-//!   "vsock": { "guest_cid": 3, "uds_path": "/tmp/vm.sock" }
+//!   "vsock": { "guest_cid": 3, "uds_path": "/tmp/vm.sock" },
+//!   "disks": [ { "path": "/images/root.ext4", "read_only": true } ]
 //! }
 //! ```
 //!
@@ -149,6 +150,43 @@ pub struct VmConfig {
     /// A virtio-vsock device with its host side on a Unix socket (Firecracker's hybrid protocol).
     #[serde(default)]
     pub vsock: Option<VsockConfig>,
+    /// virtio-blk disks, in order: the first is the guest's `/dev/vda`.
+    #[serde(default)]
+    pub disks: Vec<DiskConfig>,
+}
+
+/// A virtio-blk disk backed by a raw image file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    /// The raw image (regular file or block device); its size sets the capacity.
+    pub path: PathBuf,
+    /// Refuse guest writes (enforced by the VMM, not only advertised).
+    #[serde(default)]
+    pub read_only: bool,
+    /// Serial number the guest reads with GET_ID (at most 20 bytes).
+    #[serde(default)]
+    pub id: Option<String>,
+}
+
+impl FromStr for DiskConfig {
+    type Err = Error;
+
+    /// Parses `PATH` or `PATH:ro` (the `--disk` flag).
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let (path, read_only) = match s.strip_suffix(":ro") {
+            Some(path) => (path, true),
+            None => (s.strip_suffix(":rw").unwrap_or(s), false),
+        };
+        if path.is_empty() {
+            return Err(Error::EmptyPath("disk"));
+        }
+        Ok(DiskConfig {
+            path: PathBuf::from(path),
+            read_only,
+            id: None,
+        })
+    }
 }
 
 /// Default guest CID (the first CID available to guests; 0-2 are reserved, virtio 1.2 §5.10.4).
@@ -183,6 +221,7 @@ impl VmConfig {
             serial: SerialOutput::default(),
             debugcon: None,
             vsock: None,
+            disks: Vec::new(),
         }
     }
 
@@ -254,6 +293,17 @@ mod tests {
             SerialOutput::Stdout
         );
         assert!("".parse::<SerialOutput>().is_err());
+    }
+
+    #[test]
+    fn disk_flags_parse_read_only_suffix() {
+        let ro: DiskConfig = "/img/root.ext4:ro".parse().unwrap();
+        let rw: DiskConfig = "/img/data.raw".parse().unwrap();
+
+        assert_eq!(ro.path, PathBuf::from("/img/root.ext4"));
+        assert!(ro.read_only);
+        assert!(!rw.read_only);
+        assert!(":ro".parse::<DiskConfig>().is_err());
     }
 
     #[test]

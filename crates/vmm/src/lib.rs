@@ -23,5 +23,5 @@ pub mod vstate;
 
 pub use builder::build;
 pub use config::VmConfig;
-pub use vmm::{RunOutcome, StopHandle, Vmm};
+pub use vmm::{BootTimeline, RunOutcome, StopHandle, TimelineMs, Vmm};
 pub use vstate::vcpu::ExitReason;

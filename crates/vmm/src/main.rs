@@ -3,13 +3,16 @@
 //! Exit status: 0 when the guest reset (`reboot`) or powered off; 1 when the VM could not be built
 //! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed or a vCPU failed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Instant;
 
+use bulkhead_vmm::builder::build_with_kvm;
 use bulkhead_vmm::config::{
-    SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
+    DiskConfig, SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID, DEFAULT_MEMORY_MIB,
+    DEFAULT_VCPUS,
 };
-use bulkhead_vmm::vstate::kvm::host_kvm;
+use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
 use bulkhead_vmm::{ExitReason, StopHandle};
 use clap::Parser;
 
@@ -18,7 +21,7 @@ use clap::Parser;
 #[command(name = "bulkhead-vmm", version, about)]
 struct Args {
     /// VM configuration as a JSON file (instead of the flags below).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds", "disks"])]
     config: Option<PathBuf>,
     /// Guest kernel: ELF vmlinux or bzImage.
     #[arg(long, value_name = "PATH", required_unless_present = "config")]
@@ -46,9 +49,19 @@ struct Args {
     /// `<PATH>_P`).
     #[arg(long, value_name = "PATH")]
     vsock_uds: Option<PathBuf>,
+    /// A virtio-blk disk backed by a raw image, `PATH` or `PATH:ro` (repeatable; the first is
+    /// /dev/vda).
+    #[arg(long = "disk", value_name = "PATH[:ro]")]
+    disks: Vec<DiskConfig>,
     /// The guest's vsock context ID.
     #[arg(long, value_name = "CID", default_value_t = DEFAULT_GUEST_CID, requires = "vsock_uds")]
     vsock_cid: u64,
+    /// Write the boot phase timestamps (ms since this process started) as JSON to FILE at exit.
+    #[arg(long, value_name = "FILE")]
+    timings_json: Option<PathBuf>,
+    /// KVM device node (for tests and jails).
+    #[arg(long, value_name = "PATH", default_value = KVM_PATH, hide = true)]
+    kvm_device: PathBuf,
     /// Boot even though this host's KVM is kvm_pvm (only PVM-enabled guest kernels work there).
     #[arg(long)]
     allow_pvm: bool,
@@ -71,6 +84,7 @@ impl Args {
                 guest_cid: self.vsock_cid,
                 uds_path,
             }),
+            disks: self.disks,
         };
         config.validate()?;
         Ok(config)
@@ -78,6 +92,7 @@ impl Args {
 }
 
 fn main() -> ExitCode {
+    let process_start = Instant::now();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -87,7 +102,9 @@ fn main() -> ExitCode {
         .init();
     let args = Args::parse();
     let allow_pvm = args.allow_pvm;
-    match run(args, allow_pvm) {
+    let kvm_device = args.kvm_device.clone();
+    let timings = args.timings_json.clone().map(|path| (path, process_start));
+    match run(args, allow_pvm, &kvm_device, timings) {
         Ok(code) => code,
         Err(msg) => {
             eprintln!("bulkhead-vmm: error: {msg}");
@@ -114,7 +131,12 @@ fn stop_on_signals(stop: StopHandle) -> Result<(), String> {
     Ok(())
 }
 
-fn run(args: Args, allow_pvm: bool) -> Result<ExitCode, String> {
+fn run(
+    args: Args,
+    allow_pvm: bool,
+    kvm_device: &Path,
+    timings: Option<(PathBuf, Instant)>,
+) -> Result<ExitCode, String> {
     let config = args.into_config().map_err(|e| e.to_string())?;
     let kvm = host_kvm();
     if !kvm.can_boot_stock_kernel() && !allow_pvm {
@@ -123,9 +145,14 @@ fn run(args: Args, allow_pvm: bool) -> Result<ExitCode, String> {
             kvm.explain()
         ));
     }
-    let vmm = bulkhead_vmm::build(&config).map_err(|e| e.to_string())?;
+    let vmm = build_with_kvm(&config, kvm_device).map_err(|e| e.to_string())?;
     stop_on_signals(vmm.stop_handle())?;
     let outcome = vmm.run().map_err(|e| e.to_string())?;
+    if let Some((path, origin)) = timings {
+        let json = serde_json::to_string(&outcome.timeline.offsets_ms(origin)).unwrap_or_default();
+        std::fs::write(&path, json)
+            .map_err(|e| format!("cannot write timings to {}: {e}", path.display()))?;
+    }
     Ok(match outcome.reason {
         ExitReason::Reset | ExitReason::PowerOff | ExitReason::Stopped => ExitCode::SUCCESS,
         ExitReason::GuestCrash => {

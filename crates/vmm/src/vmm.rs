@@ -47,6 +47,40 @@ pub struct BootTimeline {
     pub exited: Option<Instant>,
 }
 
+impl BootTimeline {
+    /// Each recorded moment as milliseconds since `origin` (e.g. the VMM process's start), in
+    /// phase order; phases not reached are `None`.
+    pub fn offsets_ms(&self, origin: Instant) -> TimelineMs {
+        let ms =
+            |t: Option<Instant>| t.map(|t| t.saturating_duration_since(origin).as_secs_f64() * 1e3);
+        TimelineMs {
+            build_started: ms(self.build_started),
+            vm_created: ms(self.vm_created),
+            payload_loaded: ms(self.payload_loaded),
+            vcpus_started: ms(self.vcpus_started),
+            guest_init: ms(self.guest_first_debug_write),
+            exited: ms(self.exited),
+        }
+    }
+}
+
+/// [`BootTimeline`] as milliseconds from an origin, for reports (`bulkhead-vmm --timings-json`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TimelineMs {
+    /// Build started, ms.
+    pub build_started: Option<f64>,
+    /// VM created and memory registered, ms.
+    pub vm_created: Option<f64>,
+    /// Boot payload in guest memory, ms.
+    pub payload_loaded: Option<f64>,
+    /// vCPU threads started (kernel entry), ms.
+    pub vcpus_started: Option<f64>,
+    /// The guest's first debug-port write (its init announcing itself), ms.
+    pub guest_init: Option<f64>,
+    /// VM ended, ms.
+    pub exited: Option<f64>,
+}
+
 /// A VM ready to run, made by [`crate::builder::build`].
 pub struct Vmm {
     // Field order matters for drop: vCPUs and the VM are closed before guest memory is unmapped.

@@ -4,22 +4,36 @@
 //! debug port (0xe9, so the host sees it even with the serial console off):
 //!
 //! ```text
-//! bulkhead-test-init: cpus=2 memtotal_kib=123456 release=6.1.0 uptime_ms=850
+//! bulkhead-test-init: cpus=2 ram_kib=130680 memtotal_kib=117464 release=6.1.0 uptime_ms=850
+//! ```
+//!
+//! `ram_kib` is the RAM the firmware map (our e820) gave the kernel: the sum of the "System RAM"
+//! ranges of `/proc/iomem`. `memtotal_kib` is `/proc/meminfo`'s MemTotal: that RAM minus what the
+//! kernel keeps for itself (its image, `struct page`s, per-CPU areas, the first MiB).
+//!
+//! ```text
 //! ```
 //!
 //! and finally ends the VM as the kernel command line asks with `bulkhead_test.action=`:
-//! `reboot` (default, reboot(2) → i8042 reset), `poweroff` (reboot(2) POWER_OFF; on x86 without ACPI
-//! the kernel halts and init's exit panics into a reset), or `exit` (init exits; the kernel panics
-//! and, with `panic=1`, resets).
+//! `reboot` (default, reboot(2) → i8042 reset), `exit` (init exits; the kernel panics and, with
+//! `panic=1`, resets), or `hang` (never ends: a guest whose agent never comes up).
+//!
+//! Run as `bulkhead-test-init vsock-send PORT` (a tool in the agent test image), it copies stdin to
+//! a vsock connection to the host (CID 2) on PORT and prints `sent <bytes> sha256=<hex>`.
 
 use std::fs;
 use std::io::Write;
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("vsock-send") {
+        std::process::exit(vsock_send(args.get(2).map(String::as_str)));
+    }
     mount_pseudo_filesystems();
     let report = format!(
-        "bulkhead-test-init: cpus={} memtotal_kib={} release={} uptime_ms={}\n",
+        "bulkhead-test-init: cpus={} ram_kib={} memtotal_kib={} release={} uptime_ms={}\n",
         online_cpus(),
+        system_ram_kib(),
         mem_total_kib(),
         kernel_release(),
         uptime_ms()
@@ -29,7 +43,9 @@ fn main() {
     debug_port_write(report.as_bytes());
     match requested_action().as_str() {
         "exit" => {}
-        "poweroff" => power(libc::RB_POWER_OFF),
+        "hang" => loop {
+            std::thread::park();
+        },
         _ => power(libc::RB_AUTOBOOT),
     }
 }
@@ -80,6 +96,23 @@ fn online_cpus() -> usize {
         .sum()
 }
 
+/// Sum of the top-level "System RAM" ranges in `/proc/iomem`, KiB.
+fn system_ram_kib() -> u64 {
+    let text = fs::read_to_string("/proc/iomem").unwrap_or_default();
+    let bytes: u64 = text
+        .lines()
+        .filter(|l| !l.starts_with(' ') && l.ends_with(": System RAM"))
+        .filter_map(|l| {
+            let range = l.split(" : ").next()?;
+            let (start, end) = range.trim().split_once('-')?;
+            let start = u64::from_str_radix(start, 16).ok()?;
+            let end = u64::from_str_radix(end, 16).ok()?;
+            Some(end - start + 1)
+        })
+        .sum();
+    bytes / 1024
+}
+
 fn mem_total_kib() -> u64 {
     let text = fs::read_to_string("/proc/meminfo").unwrap_or_default();
     text.lines()
@@ -119,13 +152,18 @@ fn debug_port_write(bytes: &[u8]) {
     const PORT: u16 = 0xe9;
     // SAFETY: ioperm only changes this process's I/O permission bitmap.
     if unsafe { libc::ioperm(u64::from(PORT), 1, 1) } != 0 {
-        eprintln!("bulkhead-test-init: ioperm: {}", std::io::Error::last_os_error());
+        eprintln!(
+            "bulkhead-test-init: ioperm: {}",
+            std::io::Error::last_os_error()
+        );
         return;
     }
     for b in bytes {
         // SAFETY: port 0xe9 is the VMM's debug port; ioperm above granted access to it and an OUT
         // to it has no effect on memory.
-        unsafe { std::arch::asm!("out dx, al", in("dx") PORT, in("al") *b, options(nomem, nostack)) };
+        unsafe {
+            std::arch::asm!("out dx, al", in("dx") PORT, in("al") *b, options(nomem, nostack))
+        };
     }
 }
 
@@ -138,4 +176,66 @@ fn power(cmd: libc::c_int) {
         libc::sync();
         libc::reboot(cmd);
     }
+}
+
+/// `vsock-send PORT`: stdin → AF_VSOCK stream to CID 2:PORT; returns the exit status.
+fn vsock_send(port: Option<&str>) -> i32 {
+    use sha2::Digest;
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+
+    let Some(port) = port.and_then(|p| p.parse::<u32>().ok()) else {
+        eprintln!("usage: bulkhead-test-init vsock-send PORT");
+        return 2;
+    };
+    // SAFETY: plain socket(2) call; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        eprintln!("socket: {}", std::io::Error::last_os_error());
+        return 1;
+    }
+    // SAFETY: `fd` is a new socket nothing else owns; File closes it on drop.
+    let mut sock = unsafe { fs::File::from_raw_fd(fd) };
+    // SAFETY: sockaddr_vm is plain old data; all-zero is a valid starting value.
+    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
+    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_cid = 2;
+    addr.svm_port = port;
+    let len = std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t;
+    // SAFETY: `addr` is a valid sockaddr_vm of `len` bytes for the duration of the call.
+    if unsafe { libc::connect(fd, std::ptr::addr_of!(addr).cast(), len) } != 0 {
+        eprintln!(
+            "connect to host port {port}: {}",
+            std::io::Error::last_os_error()
+        );
+        return 1;
+    }
+    let mut hasher = sha2::Sha256::new();
+    let mut total = 0u64;
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut stdin = std::io::stdin().lock();
+    loop {
+        let n = match stdin.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                eprintln!("read stdin: {e}");
+                return 1;
+            }
+        };
+        if let Err(e) = sock.write_all(&buf[..n]) {
+            eprintln!("write to vsock: {e}");
+            return 1;
+        }
+        hasher.update(&buf[..n]);
+        total += n as u64;
+    }
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    println!("sent {total} sha256={digest}");
+    0
 }

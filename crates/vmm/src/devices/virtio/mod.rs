@@ -19,6 +19,7 @@ use std::sync::Arc;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+pub mod block;
 pub mod mmio;
 pub mod vsock;
 

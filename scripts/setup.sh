@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Sets bulkhead up on a Debian/Ubuntu machine and runs the main job.
+#
+#   scripts/setup.sh            install, build, then `bulkhead run -- uname -a`
+#   scripts/setup.sh --no-run   install and build only (what the test command uses)
+#
+# Installs the Debian packages it needs (with sudo when not root), the Rust musl target, builds the
+# guest kernel (cached under ~/.cache/bulkhead, keyed by its inputs), the binaries, and the default
+# guest image (the bulkhead agent as /init plus busybox) into ~/.local/share/bulkhead, and links
+# the binaries into ~/.local/bin.
+#
+# Where this host's KVM cannot boot a stock Linux kernel (e.g. kvm_pvm), the main job runs inside
+# the nested test host (QEMU with a KVM-capable Debian kernel) and says so.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+RUN_MAIN_JOB=1
+[[ "${1:-}" == "--no-run" ]] && RUN_MAIN_JOB=0
+
+log() { printf '==> %s\n' "$*" >&2; }
+SUDO=()
+[[ "$(id -u)" -eq 0 ]] || SUDO=(sudo)
+
+# Debian packages: QEMU + busybox + cpio for the test host and images, a C toolchain for -sys
+# crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps).
+PKGS=(qemu-system-x86 busybox-static cpio gzip gcc make util-linux e2fsprogs)
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    log "installing Debian packages: ${missing[*]}"
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)" >&2; exit 1; }
+log "Rust targets (rust-toolchain.toml)"
+rustup target add x86_64-unknown-linux-musl >/dev/null 2>&1 || rustup target add x86_64-unknown-linux-musl
+
+log "guest kernel (cached after the first build)"
+scripts/build-kernel.sh --arch x86_64 >/dev/null
+
+log "building bulkhead (release)"
+cargo build --release --quiet --bins
+cargo build --release --quiet -p bulkhead-agent --target x86_64-unknown-linux-musl
+
+DATA="${XDG_DATA_HOME:-$HOME/.local/share}/bulkhead"
+log "default guest image -> $DATA/images/default/initramfs.cpio.gz"
+scripts/build-initramfs.sh --busybox \
+    --init target/x86_64-unknown-linux-musl/release/bulkhead-agent \
+    --out "$DATA/images/default/initramfs.cpio.gz"
+
+BIN="$HOME/.local/bin"
+mkdir -p "$BIN"
+for b in bulkhead bulkhead-vmm bulkhead-testhost; do
+    ln -sf "$ROOT/target/release/$b" "$BIN/$b"
+done
+log "binaries linked into $BIN (add it to PATH)"
+
+((RUN_MAIN_JOB)) || exit 0
+
+log "main job: bulkhead run -- uname -a"
+if [[ -d /sys/module/kvm_intel || -d /sys/module/kvm_amd || ( "$(uname -m)" == aarch64 && -d /sys/module/kvm ) ]]; then
+    exec "$ROOT/target/release/bulkhead" run -- uname -a
+fi
+echo "bulkhead: this host's KVM cannot boot a stock Linux guest (kvm_pvm or none); running the same command inside the nested test host" >&2
+exec "$ROOT/target/release/bulkhead-testhost" run --share "$ROOT/target" --share "$DATA" -- \
+    env "XDG_DATA_HOME=${DATA%/bulkhead}" "$ROOT/target/release/bulkhead" run -- uname -a

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs every bulkhead test: formatting, lints, unit tests, and the guest-level integration tests
+# (which boot real guests, inside the nested test host when this host's KVM cannot).
+# Exits non-zero when anything fails.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+log() { printf '==> %s\n' "$*" >&2; }
+
+scripts/setup.sh --no-run
+log "cargo fmt --check"
+cargo fmt --all --check
+log "cargo clippy"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+log "guest test binaries (static, musl)"
+cargo build --release --quiet --target x86_64-unknown-linux-musl -p bulkhead-agent -p bulkhead-test-init
+log "cargo test (unit, doc and integration tests)"
+cargo test --workspace --no-fail-fast
+log "all tests passed"
