@@ -153,12 +153,21 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
         Stdio::null()
     });
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    // SAFETY: the closure only makes raw system calls (setsid, close_range), which are
-    // async-signal-safe, as required between fork and exec.
+    // SAFETY: the closure only makes raw system calls (setsid, sigprocmask, close_range) and
+    // initialises a sigset on its own stack, all async-signal-safe, as required between fork
+    // and exec.
     unsafe {
         cmd.pre_exec(|| {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
+            }
+            // As PID 1 the agent blocks SIGTERM, SIGINT, SIGUSR1/2 and SIGPWR in every thread
+            // (the reaper waits for them), and a blocked mask survives exec: without this the
+            // command could never be stopped by SIGTERM or Ctrl-C forwarded from the host.
+            let mut none = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+            libc::sigemptyset(none.as_mut_ptr());
+            if libc::pthread_sigmask(libc::SIG_SETMASK, none.as_ptr(), std::ptr::null_mut()) != 0 {
+                return Err(io::Error::other("cannot clear the signal mask"));
             }
             // Whatever the agent itself inherited or leaked stays out of the command: every
             // descriptor above stderr closes at exec. Kernels before 5.11 lack the flag
@@ -186,4 +195,36 @@ fn validate(req: &ExecRequest) -> Result<(), SpawnError> {
         return Err(SpawnError::Tty);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use bulkhead_protocol::ExecRequest;
+
+    use super::*;
+
+    fn block_sigterm_in_this_thread() {
+        let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+        // SAFETY: sigemptyset/sigaddset initialise and modify the set on our stack; the mask
+        // change only affects this test's thread.
+        unsafe {
+            libc::sigemptyset(set.as_mut_ptr());
+            libc::sigaddset(set.as_mut_ptr(), libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, set.as_ptr(), std::ptr::null_mut());
+        }
+    }
+
+    #[test]
+    fn commands_start_with_no_signal_blocked_even_when_the_agent_blocks_some() {
+        // Arrange: the agent as PID 1 blocks SIGTERM (and more) in all its threads.
+        block_sigterm_in_this_thread();
+        let req = ExecRequest::new(["grep", "^SigBlk:", "/proc/self/status"]);
+
+        // Act
+        let out = build_command(&req).unwrap().output().unwrap();
+
+        // Assert
+        let line = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(line.trim(), "SigBlk:\t0000000000000000", "{line:?}");
+    }
 }
