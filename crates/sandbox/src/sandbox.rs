@@ -323,6 +323,7 @@ fn write_vm_config(config: &SandboxConfig, uds_path: &Path, path: &Path) -> Resu
             uds_path: uds_path.to_owned(),
         }),
         disks: Vec::new(),
+        shares: Vec::new(),
     };
     let json = serde_json::to_vec_pretty(&vm).map_err(|e| Error::RuntimeDir {
         path: path.to_owned(),

@@ -15,7 +15,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch;
 use crate::boot;
-use crate::config::{DiskConfig, SerialOutput, VmConfig};
+use crate::config::{DiskConfig, SerialOutput, ShareConfig, VmConfig};
 use crate::device_manager::{self, MmioDeviceManager};
 use crate::devices::bus::{self, Bus};
 use crate::devices::legacy::debugcon::{DebugCon, DEBUGCON_PORT};
@@ -23,6 +23,7 @@ use crate::devices::legacy::i8042::{I8042, I8042_KBD_IRQ, I8042_PORT, I8042_PORT
 use crate::devices::legacy::serial::{self, SerialDevice, COM1_IRQ, COM1_PORT, COM1_PORT_COUNT};
 use crate::devices::legacy::EventFdTrigger;
 use crate::devices::virtio::block::{self, Block, BlockConfig};
+use crate::devices::virtio::fs::{self, Fs, FsConfig};
 use crate::devices::virtio::vsock::{self, Vsock};
 use crate::devices::virtio::VirtioDevice;
 use crate::vmm::{BootTimeline, EventLoop, Vmm};
@@ -95,6 +96,9 @@ pub enum Error {
     /// A disk could not be opened.
     #[error("disk: {0}")]
     Block(#[from] block::Error),
+    /// A shared directory could not be set up.
+    #[error("share: {0}")]
+    Fs(#[from] fs::Error),
     /// A virtio device could not be placed.
     #[error(transparent)]
     DeviceManager(#[from] device_manager::Error),
@@ -158,6 +162,9 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
     }
     for disk in &config.disks {
         virtio.attach(Block::new(block_config(disk))?)?;
+    }
+    for share in &config.shares {
+        virtio.attach(Fs::new(fs_config(share))?)?;
     }
     let VirtioContext { mmio, devices, .. } = virtio;
 
@@ -251,6 +258,15 @@ impl VirtioContext<'_> {
             .register(self.vm, self.mem, &mut self.mmio, device.clone())?;
         self.event_manager.add_subscriber(device);
         Ok(())
+    }
+}
+
+fn fs_config(share: &ShareConfig) -> FsConfig {
+    FsConfig {
+        tag: share.tag.clone(),
+        shared_dir: share.path.clone(),
+        read_only: share.read_only,
+        owner: share.owner,
     }
 }
 

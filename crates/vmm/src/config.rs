@@ -10,7 +10,8 @@
 //!   "serial": "stdout",
 //!   "debugcon": "/tmp/debug.log",
 //!   "vsock": { "guest_cid": 3, "uds_path": "/tmp/vm.sock" },
-//!   "disks": [ { "path": "/images/root.ext4", "read_only": true } ]
+//!   "disks": [ { "path": "/images/root.ext4", "read_only": true } ],
+//!   "shares": [ { "tag": "work", "path": "/home/me/project", "read_only": false } ]
 //! }
 //! ```
 //!
@@ -60,6 +61,9 @@ pub enum Error {
     /// The vsock guest CID is reserved or out of range.
     #[error("vsock guest CID must be between 3 and 4294967294, got {0}")]
     GuestCid(u64),
+    /// A `--share` value is not `TAG=DIR[:ro]`.
+    #[error("share `{0}` is not TAG=HOST_DIR[:ro]")]
+    ShareSyntax(String),
     /// An empty path was given.
     #[error("the {0} path is empty")]
     EmptyPath(&'static str),
@@ -153,6 +157,47 @@ pub struct VmConfig {
     /// virtio-blk disks, in order: the first is the guest's `/dev/vda`.
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
+    /// virtio-fs shares of host directories (guest: `mount -t virtiofs TAG DIR`).
+    #[serde(default)]
+    pub shares: Vec<ShareConfig>,
+}
+
+/// A host directory shared into the guest with virtio-fs, served in-process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShareConfig {
+    /// Mount tag the guest uses (1..=36 bytes).
+    pub tag: String,
+    /// The host directory.
+    pub path: PathBuf,
+    /// Refuse every write-type request on the host side (EROFS), whatever the guest mounts.
+    #[serde(default)]
+    pub read_only: bool,
+    /// uid and gid that files the guest creates get; default: the owner of `path`.
+    #[serde(default)]
+    pub owner: Option<(u32, u32)>,
+}
+
+impl FromStr for ShareConfig {
+    type Err = Error;
+
+    /// Parses `TAG=HOST_DIR` or `TAG=HOST_DIR:ro` (the `--share` flag).
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let (tag, rest) = s.split_once('=').ok_or(Error::ShareSyntax(s.to_owned()))?;
+        let (path, read_only) = match rest.strip_suffix(":ro") {
+            Some(path) => (path, true),
+            None => (rest.strip_suffix(":rw").unwrap_or(rest), false),
+        };
+        if tag.is_empty() || path.is_empty() {
+            return Err(Error::ShareSyntax(s.to_owned()));
+        }
+        Ok(ShareConfig {
+            tag: tag.to_owned(),
+            path: PathBuf::from(path),
+            read_only,
+            owner: None,
+        })
+    }
 }
 
 /// A virtio-blk disk backed by a raw image file.
@@ -222,6 +267,7 @@ impl VmConfig {
             debugcon: None,
             vsock: None,
             disks: Vec::new(),
+            shares: Vec::new(),
         }
     }
 
@@ -304,6 +350,17 @@ mod tests {
         assert!(ro.read_only);
         assert!(!rw.read_only);
         assert!(":ro".parse::<DiskConfig>().is_err());
+    }
+
+    #[test]
+    fn share_flags_parse_tag_path_and_mode() {
+        let share: ShareConfig = "work=/home/me/proj:ro".parse().unwrap();
+
+        assert_eq!(share.tag, "work");
+        assert_eq!(share.path, PathBuf::from("/home/me/proj"));
+        assert!(share.read_only);
+        assert!("no-equals".parse::<ShareConfig>().is_err());
+        assert!("=/x".parse::<ShareConfig>().is_err());
     }
 
     #[test]

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use bulkhead_vmm::builder::build_with_kvm;
 use bulkhead_vmm::config::{
-    DiskConfig, SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID, DEFAULT_MEMORY_MIB,
-    DEFAULT_VCPUS,
+    DiskConfig, SerialOutput, ShareConfig, VmConfig, VsockConfig, DEFAULT_GUEST_CID,
+    DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
 };
 use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
 use bulkhead_vmm::{ExitReason, StopHandle};
@@ -21,7 +21,7 @@ use clap::Parser;
 #[command(name = "bulkhead-vmm", version, about)]
 struct Args {
     /// VM configuration as a JSON file (instead of the flags below).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds", "disks"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds", "disks", "shares"])]
     config: Option<PathBuf>,
     /// Guest kernel: ELF vmlinux or bzImage.
     #[arg(long, value_name = "PATH", required_unless_present = "config")]
@@ -53,6 +53,10 @@ struct Args {
     /// /dev/vda).
     #[arg(long = "disk", value_name = "PATH[:ro]")]
     disks: Vec<DiskConfig>,
+    /// Share a host directory with virtio-fs, `TAG=HOST_DIR[:ro]` (repeatable); the guest mounts
+    /// it with `mount -t virtiofs TAG DIR`. Read-only is enforced by the VMM.
+    #[arg(long = "share", value_name = "TAG=DIR[:ro]")]
+    shares: Vec<ShareConfig>,
     /// The guest's vsock context ID.
     #[arg(long, value_name = "CID", default_value_t = DEFAULT_GUEST_CID, requires = "vsock_uds")]
     vsock_cid: u64,
@@ -85,6 +89,7 @@ impl Args {
                 uds_path,
             }),
             disks: self.disks,
+            shares: self.shares,
         };
         config.validate()?;
         Ok(config)

@@ -20,6 +20,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 pub mod block;
+pub mod fs;
 pub mod mmio;
 pub mod vsock;
 
