@@ -15,6 +15,8 @@ log "cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 log "guest test binaries (static, musl)"
 cargo build --release --quiet --target x86_64-unknown-linux-musl -p bulkhead-agent -p bulkhead-test-init
+log "host binaries the guest tests drive (bulkhead-vmm, bulkhead, bulkheadd)"
+cargo build --workspace --bins --quiet
 log "cargo test (unit, doc and integration tests)"
 cargo test --workspace --no-fail-fast
 log "all tests passed"

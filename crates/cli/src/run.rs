@@ -151,6 +151,7 @@ fn default_env(overrides: &[String]) -> Vec<String> {
 fn run_command(sandbox: &Sandbox, request: &ExecRequest) -> Result<ExitStatus, String> {
     let session = sandbox.exec(request).map_err(|e| e.to_string())?;
     let (writer, mut reader) = session.split();
+    forward_signals(writer.clone())?;
     forward_stdin(writer);
     let mut stdout = io::stdout().lock();
     let mut stderr = io::stderr();
@@ -196,6 +197,24 @@ fn forward_stdin(writer: ExecWriter) {
         }
         let _ = writer.close_stdin();
     });
+}
+
+/// Forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT received by `bulkhead run` to the command's
+/// process group in the guest (as `docker run` does), so Ctrl-C stops the command and the VM is
+/// then torn down normally. If `bulkhead run` is killed outright, the VMM gets SIGTERM through
+/// its parent-death signal.
+fn forward_signals(writer: ExecWriter) -> Result<(), String> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
+        .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    thread::spawn(move || {
+        for sig in signals.forever() {
+            if writer.signal(sig).is_err() {
+                break;
+            }
+        }
+    });
+    Ok(())
 }
 
 /// The process exit status for the command's status.

@@ -1,0 +1,41 @@
+//! Measures boot-to-ready and the per-command round trip of the test host.
+//!
+//! `cargo run -p bulkhead-testhost --example overhead [-- --mttcg]`
+
+use std::time::{Duration, Instant};
+
+use bulkhead_testhost::{TcgThreads, TestHost, TestHostConfig};
+
+fn main() -> Result<(), bulkhead_testhost::Error> {
+    let mttcg = std::env::args().any(|a| a == "--mttcg");
+    let host = TestHost::start(TestHostConfig {
+        tcg_threads: if mttcg {
+            TcgThreads::Multi
+        } else {
+            TcgThreads::Single
+        },
+        ..TestHostConfig::default()
+    })?;
+    println!(
+        "boot-to-ready (incl. cached prepare): {:?}",
+        host.boot_time()
+    );
+    let t = Duration::from_secs(60);
+    for (label, script) in [
+        ("true", "true"),
+        ("echo", "echo hi"),
+        ("/bin/true exec", "/bin/true"),
+    ] {
+        host.run(script, t)?;
+        let n = 20;
+        let started = Instant::now();
+        for _ in 0..n {
+            host.run(script, t)?;
+        }
+        println!("{label:>15}: {:?} per command", started.elapsed() / n);
+    }
+    let started = Instant::now();
+    host.shutdown()?;
+    println!("shutdown: {:?}", started.elapsed());
+    Ok(())
+}

@@ -1,0 +1,180 @@
+//! `bulkhead-testhost`: prepare the nested test host, or boot it and run one command inside.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use bulkhead_testhost::protocol::{shell_quote, shell_quote_path};
+use bulkhead_testhost::{prepare, Error, TcgThreads, TestHost, TestHostConfig};
+use clap::{Args, Parser, Subcommand};
+
+/// Nested QEMU test host with real KVM (kvm-amd) for bulkhead's boot-level tests.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Fetch the kernel and build the initramfs (cached), then print their paths.
+    Prepare {
+        /// Also include the shared libraries this binary needs (repeatable).
+        #[arg(long = "libs-for", value_name = "BINARY")]
+        libs_for: Vec<PathBuf>,
+    },
+    /// Boot the test host, run CMD in the current directory (shared at the same path), exit with its status.
+    Run(RunArgs),
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Host directory to mount inside at the same path (repeatable; the current directory always is).
+    #[arg(long = "share", value_name = "DIR")]
+    shares: Vec<PathBuf>,
+    /// Test host RAM in MiB.
+    #[arg(long, default_value_t = 2048)]
+    memory: u32,
+    /// Test host vCPUs.
+    #[arg(long, default_value_t = 2)]
+    cpus: u8,
+    /// Kill CMD after this many seconds (exit status 124).
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<u64>,
+    /// Also include the shared libraries this binary needs (repeatable; CMD itself is added when it is a
+    /// path to a file).
+    #[arg(long = "libs-for", value_name = "BINARY")]
+    libs_for: Vec<PathBuf>,
+    /// Environment variable for CMD (repeatable).
+    #[arg(short = 'e', long = "env", value_name = "KEY=VALUE")]
+    env: Vec<String>,
+    /// Run the vCPUs in parallel host threads (multi-threaded TCG; faster for parallel work, but see the
+    /// crate docs on its rare boot livelock).
+    #[arg(long)]
+    mttcg: bool,
+    /// Extra kernel command line argument for the test host (repeatable), e.g. `loglevel=7`.
+    #[arg(long = "kernel-arg", value_name = "ARG")]
+    kernel_args: Vec<String>,
+    /// Print QEMU's pid, the run directory and timings to stderr.
+    #[arg(short, long)]
+    verbose: bool,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    cmd: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Prepare { libs_for } => run_prepare(libs_for).map(|()| 0),
+        Command::Run(args) => run_command(args),
+    };
+    match result {
+        Ok(status) => ExitCode::from(status),
+        Err(e) => {
+            eprintln!("bulkhead-testhost: {e:#}");
+            ExitCode::from(125)
+        }
+    }
+}
+
+fn run_prepare(libs_for: Vec<PathBuf>) -> Result<()> {
+    let started = Instant::now();
+    let cfg = TestHostConfig {
+        extra_libs_for: libs_for,
+        ..TestHostConfig::default()
+    };
+    let p = prepare(&cfg.prepare_options()).context("preparing the test host")?;
+    println!("cache:     {}", p.cache_root.display());
+    println!("package:   {} {}", p.package.name, p.package.version);
+    println!("kernel:    {}", p.kernel.display());
+    println!("initramfs: {}", p.initramfs.display());
+    eprintln!("prepared in {} ms", started.elapsed().as_millis());
+    Ok(())
+}
+
+/// Builds the script: exports, `cd` into `cwd`, then the quoted command.
+fn build_script(cwd: &Path, env: &[String], cmd: &[String]) -> Result<String> {
+    let mut script = String::new();
+    for kv in env {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--env {kv:?} is not KEY=VALUE"))?;
+        let valid = !k.is_empty()
+            && !k.starts_with(|c: char| c.is_ascii_digit())
+            && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        anyhow::ensure!(valid, "--env {kv:?}: {k:?} is not a variable name");
+        script.push_str(&format!("export {k}={}\n", shell_quote(v)));
+    }
+    script.push_str(&format!("cd {} || exit 125\n", shell_quote_path(cwd)));
+    let words: Vec<String> = cmd.iter().map(|w| shell_quote(w)).collect();
+    script.push_str(&words.join(" "));
+    script.push('\n');
+    Ok(script)
+}
+
+fn run_command(args: RunArgs) -> Result<u8> {
+    let cwd = std::env::current_dir().context("reading the current directory")?;
+    let mut shares = vec![cwd.clone()];
+    shares.extend(args.shares);
+    let mut libs_for = args.libs_for;
+    if let Some(first) = args.cmd.first().map(Path::new) {
+        if first.components().count() > 1 && cwd.join(first).is_file() {
+            libs_for.push(cwd.join(first));
+        }
+    }
+    let script = build_script(&cwd, &args.env, &args.cmd)?;
+    let cfg = TestHostConfig {
+        memory_mib: args.memory,
+        cpus: args.cpus,
+        shares,
+        extra_libs_for: libs_for,
+        kernel_args: args.kernel_args,
+        tcg_threads: if args.mttcg {
+            TcgThreads::Multi
+        } else {
+            TcgThreads::Single
+        },
+        ..TestHostConfig::default()
+    };
+    let host = TestHost::start(cfg).context("starting the test host")?;
+    if args.verbose {
+        for failed in host.failed_boots() {
+            eprintln!("bulkhead-testhost: a boot attempt failed: {failed}");
+        }
+        eprintln!(
+            "bulkhead-testhost: qemu pid {}, run dir {}, ready after {} ms",
+            host.qemu_pid(),
+            host.run_dir().display(),
+            host.boot_time().as_millis()
+        );
+    }
+    let timeout = args.timeout.map_or(Duration::MAX, Duration::from_secs);
+    let started = Instant::now();
+    let result = host.run_streaming(
+        &script,
+        timeout,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    );
+    let _ = std::io::stdout().flush();
+    if args.verbose {
+        eprintln!(
+            "bulkhead-testhost: command took {} ms",
+            started.elapsed().as_millis()
+        );
+    }
+    let status = match result {
+        Ok(status) => u8::try_from(status).unwrap_or(255),
+        Err(Error::CommandTimedOut { timeout, .. }) => {
+            eprintln!("bulkhead-testhost: command timed out after {timeout:?}");
+            124
+        }
+        Err(e) => return Err(e).context("running the command"),
+    };
+    host.shutdown().context("shutting down the test host")?;
+    Ok(status)
+}

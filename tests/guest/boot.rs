@@ -1,0 +1,200 @@
+//! Booting the default kernel to a test init under `bulkhead-vmm` (the boot issue's acceptance).
+
+use std::path::Path;
+use std::process::Output;
+
+use bulkhead_tests::{artifacts, describe, guest_test, run, scratch_dir};
+
+/// Default command line plus the test init's action.
+fn cmdline(action: &str) -> String {
+    format!(
+        "console=ttyS0 reboot=k panic=1 nomodule i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd quiet bulkhead_test.action={action}"
+    )
+}
+
+struct Boot {
+    output: Output,
+    serial: String,
+    debugcon: String,
+}
+
+/// Boots `kernel` with the test init; serial and debug port go to files in a scratch dir.
+fn boot(kernel: &Path, vcpus: u8, memory_mib: u32, action: &str) -> Boot {
+    let a = artifacts();
+    let dir = scratch_dir();
+    let serial = dir.path().join("serial.txt");
+    let debugcon = dir.path().join("debugcon.txt");
+    let output = run(
+        &a.vmm,
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--initrd",
+            a.test_initrd.to_str().unwrap(),
+            "--vcpus",
+            &vcpus.to_string(),
+            "--memory",
+            &memory_mib.to_string(),
+            "--serial",
+            serial.to_str().unwrap(),
+            "--debugcon",
+            debugcon.to_str().unwrap(),
+            "--cmdline",
+            &cmdline(action),
+        ],
+    );
+    Boot {
+        output,
+        serial: std::fs::read_to_string(&serial).unwrap_or_default(),
+        debugcon: std::fs::read_to_string(&debugcon).unwrap_or_default(),
+    }
+}
+
+/// The value of `key=` in the test init's report line.
+fn report_field(report: &str, key: &str) -> u64 {
+    let line = report
+        .lines()
+        .find(|l| l.starts_with("bulkhead-test-init:"))
+        .unwrap_or_else(|| panic!("no report line in {report:?}"));
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no numeric {key}= in {line:?}"))
+}
+
+guest_test!(
+    fn vmlinux_boots_to_init_with_one_vcpu() {
+        let b = boot(&artifacts().vmlinux, 1, 128, "reboot");
+
+        assert!(b.output.status.success(), "{}", describe(&b.output));
+        assert_eq!(report_field(&b.serial, "cpus"), 1, "{}", b.serial);
+        assert_eq!(
+            report_field(&b.debugcon, "cpus"),
+            1,
+            "debug port: {:?}",
+            b.debugcon
+        );
+    }
+);
+
+guest_test!(
+    fn two_vcpus_are_online_in_the_guest() {
+        let b = boot(&artifacts().vmlinux, 2, 128, "reboot");
+
+        assert!(b.output.status.success(), "{}", describe(&b.output));
+        assert_eq!(report_field(&b.serial, "cpus"), 2, "{}", b.serial);
+    }
+);
+
+guest_test!(
+    fn guest_sees_the_configured_memory() {
+        for mib in [128u64, 384] {
+            let b = boot(&artifacts().vmlinux, 1, mib as u32, "reboot");
+
+            assert!(b.output.status.success(), "{}", describe(&b.output));
+            // The RAM our e820 map hands the kernel: all of it but the EBDA..1 MiB hole.
+            let ram_mib = report_field(&b.serial, "ram_kib") / 1024;
+            assert!(
+                ram_mib + 8 >= mib && ram_mib <= mib,
+                "{mib} MiB configured, guest RAM {ram_mib} MiB"
+            );
+            // MemTotal is that minus the kernel's own reservations: its image (~6 MiB), struct
+            // pages (1/64 of RAM), per-CPU areas (2 MiB) and the first MiB.
+            let total_mib = report_field(&b.serial, "memtotal_kib") / 1024;
+            let reserved_budget = 14 + mib / 64;
+            assert!(
+                total_mib <= ram_mib && total_mib + reserved_budget >= mib,
+                "{mib} MiB configured, guest MemTotal {total_mib} MiB (budget {reserved_budget} MiB)"
+            );
+        }
+    }
+);
+
+guest_test!(
+    fn bzimage_boots_to_init() {
+        let b = boot(&artifacts().bzimage, 1, 128, "reboot");
+
+        assert!(b.output.status.success(), "{}", describe(&b.output));
+        assert_eq!(report_field(&b.serial, "cpus"), 1, "{}", b.serial);
+    }
+);
+
+guest_test!(
+    fn serial_off_still_boots_and_init_reports_on_the_debug_port() {
+        let a = artifacts();
+        let dir = scratch_dir();
+        let debugcon = dir.path().join("debugcon.txt");
+
+        let out = run(
+            &a.vmm,
+            &[
+                "--kernel",
+                a.vmlinux.to_str().unwrap(),
+                "--initrd",
+                a.test_initrd.to_str().unwrap(),
+                "--serial",
+                "off",
+                "--debugcon",
+                debugcon.to_str().unwrap(),
+                "--cmdline",
+                &cmdline("reboot"),
+            ],
+        );
+
+        assert!(out.status.success(), "{}", describe(&out));
+        assert!(
+            out.stdout.is_empty(),
+            "serial off but stdout has {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let report = std::fs::read_to_string(&debugcon).unwrap();
+        assert_eq!(report_field(&report, "cpus"), 1, "{report}");
+    }
+);
+
+guest_test!(
+    fn serial_on_stdout_carries_the_console() {
+        let a = artifacts();
+
+        let out = run(
+            &a.vmm,
+            &[
+                "--kernel",
+                a.vmlinux.to_str().unwrap(),
+                "--initrd",
+                a.test_initrd.to_str().unwrap(),
+                "--serial",
+                "stdout",
+                "--cmdline",
+                &cmdline("reboot"),
+            ],
+        );
+
+        assert!(out.status.success(), "{}", describe(&out));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(report_field(&stdout, "cpus"), 1, "{stdout}");
+    }
+);
+
+guest_test!(
+    fn json_config_file_boots_like_the_flags() {
+        let a = artifacts();
+        let dir = scratch_dir();
+        let config = dir.path().join("vm.json");
+        let serial = dir.path().join("serial.txt");
+        let json = format!(
+            r#"{{"kernel": "{}", "initrd": "{}", "vcpus": 2, "memory_mib": 160, "serial": "{}", "cmdline": "{}"}}"#,
+            a.vmlinux.display(),
+            a.test_initrd.display(),
+            serial.display(),
+            cmdline("reboot")
+        );
+        std::fs::write(&config, json).unwrap();
+
+        let out = run(&a.vmm, &["--config", config.to_str().unwrap()]);
+
+        assert!(out.status.success(), "{}", describe(&out));
+        let report = std::fs::read_to_string(&serial).unwrap();
+        assert_eq!(report_field(&report, "cpus"), 2, "{report}");
+    }
+);

@@ -1,0 +1,7 @@
+//! Guest-level integration tests: real guests booted under `bulkhead-vmm`, in the nested test
+//! host when this machine's KVM cannot boot them (see the harness crate).
+
+mod bad_input;
+mod boot;
+mod run;
+mod sandbox_api;

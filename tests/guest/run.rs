@@ -1,0 +1,241 @@
+//! `bulkhead run` end to end: the run issue's acceptance, through the CLI binary.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Output, Stdio};
+
+use bulkhead_tests::{
+    artifacts, describe, guest_test, kernel_without_vsock, sha256_hex, socket_dir,
+};
+
+/// Runs `bulkhead run ARGS...` with the test kernel and agent image, feeding `stdin`.
+fn bulkhead_run(args: &[&str], stdin: &[u8]) -> Output {
+    let a = artifacts();
+    let mut child = Command::new(&a.cli)
+        .arg("run")
+        .args(args)
+        .env("BULKHEAD_KERNEL", &a.vmlinux)
+        .env("BULKHEAD_INITRD", &a.agent_initrd)
+        .env("BULKHEAD_VMM", &a.vmm)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn bulkhead");
+    let mut pipe = child.stdin.take().expect("stdin pipe");
+    let data = stdin.to_vec();
+    let feeder = std::thread::spawn(move || {
+        // The command may exit without reading everything; a broken pipe is fine.
+        let _ = pipe.write_all(&data);
+    });
+    let out = child.wait_with_output().expect("wait for bulkhead");
+    feeder.join().expect("stdin feeder");
+    out
+}
+
+guest_test!(
+    fn uname_reports_the_guest_kernel_not_the_host() {
+        let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+
+        let out = bulkhead_run(&["--", "uname", "-r"], b"");
+
+        assert!(out.status.success(), "{}", describe(&out));
+        let guest_release = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        assert!(guest_release.starts_with("6.1."), "{}", describe(&out));
+        assert_ne!(guest_release, host_release.trim());
+    }
+);
+
+guest_test!(
+    fn exit_codes_and_streams_come_back() {
+        let out = bulkhead_run(
+            &["--", "sh", "-c", "echo to-out; echo to-err >&2; exit 7"],
+            b"",
+        );
+
+        assert_eq!(out.status.code(), Some(7), "{}", describe(&out));
+        assert_eq!(out.stdout, b"to-out\n");
+        assert_eq!(out.stderr, b"to-err\n");
+    }
+);
+
+guest_test!(
+    fn a_command_killed_by_a_signal_exits_128_plus_n() {
+        let out = bulkhead_run(&["--", "sh", "-c", "kill -9 $$"], b"");
+
+        assert_eq!(out.status.code(), Some(137), "{}", describe(&out));
+    }
+);
+
+guest_test!(
+    fn ten_mib_of_random_output_arrive_byte_identical() {
+        let script = "head -c 10485760 /dev/urandom > /tmp/r && sha256sum /tmp/r >&2 && cat /tmp/r";
+
+        let out = bulkhead_run(&["--memory", "256", "--", "sh", "-c", script], b"");
+
+        assert!(out.status.success(), "{}", describe(&out));
+        assert_eq!(out.stdout.len(), 10 << 20);
+        let guest_sum = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            guest_sum.starts_with(&sha256_hex(&out.stdout)),
+            "{}",
+            guest_sum
+        );
+    }
+);
+
+guest_test!(
+    fn ten_mib_piped_into_stdin_arrive_byte_identical() {
+        let data: Vec<u8> = (0..10u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+
+        let out = bulkhead_run(&["--", "sha256sum"], &data);
+
+        assert!(out.status.success(), "{}", describe(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).starts_with(&sha256_hex(&data)),
+            "{}",
+            describe(&out)
+        );
+    }
+);
+
+guest_test!(
+    fn split_utf8_and_nul_bytes_arrive_unchanged() {
+        // The two halves of "é" and a NUL, written by separate printf calls (separate frames).
+        let script = r"printf '\303'; sleep 0.2; printf '\251\000x'; printf '\000\303' >&2; sleep 0.2; printf '\251' >&2";
+
+        let out = bulkhead_run(&["--", "sh", "-c", script], b"");
+
+        assert!(out.status.success(), "{}", describe(&out));
+        assert_eq!(out.stdout, [0xc3, 0xa9, 0x00, b'x']);
+        assert_eq!(out.stderr, [0x00, 0xc3, 0xa9]);
+    }
+);
+
+guest_test!(
+    fn timeout_kills_the_command_and_reports_124() {
+        let started = std::time::Instant::now();
+
+        let out = bulkhead_run(
+            &["--timeout", "2", "--", "sh", "-c", "sleep 100 & sleep 100"],
+            b"",
+        );
+
+        assert_eq!(out.status.code(), Some(124), "{}", describe(&out));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("timed out"));
+        // Far below the 100 s the command would take: the group was killed, not waited for.
+        assert!(
+            started.elapsed().as_secs() < 90,
+            "took {:?}",
+            started.elapsed()
+        );
+    }
+);
+
+guest_test!(
+    fn env_workdir_and_user_reach_the_command() {
+        let out = bulkhead_run(
+            &[
+                "-e",
+                "GREETING=hi there",
+                "--workdir",
+                "/tmp",
+                "--user",
+                "65534",
+                "--",
+                "sh",
+                "-c",
+                "echo \"$GREETING\"; pwd; id -u",
+            ],
+            b"",
+        );
+
+        assert!(out.status.success(), "{}", describe(&out));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "hi there\n/tmp\n65534\n"
+        );
+    }
+);
+
+guest_test!(
+    fn sigterm_to_bulkhead_run_reaches_the_command_and_the_vm_is_torn_down() {
+        let a = artifacts();
+        let runtime = socket_dir();
+        let mut child = Command::new(&a.cli)
+            .args(["run", "--", "sh", "-c", "echo started; sleep 100"])
+            .env("BULKHEAD_KERNEL", &a.vmlinux)
+            .env("BULKHEAD_INITRD", &a.agent_initrd)
+            .env("BULKHEAD_VMM", &a.vmm)
+            .env("BULKHEAD_RUNTIME_DIR", runtime.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn bulkhead");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line, "started\n");
+
+        // SAFETY: SIGTERM to our own child process.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+        let mut stderr = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+
+        assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}: {stderr}");
+        let left: Vec<_> = std::fs::read_dir(runtime.path()).unwrap().collect();
+        assert!(left.is_empty(), "runtime files left: {left:?}");
+    }
+);
+
+guest_test!(
+    fn a_kernel_without_vsock_is_a_clear_error() {
+        let kernel = kernel_without_vsock();
+
+        let out = bulkhead_run(
+            &[
+                "--kernel",
+                kernel.to_str().unwrap(),
+                "--boot-timeout",
+                "300",
+                "--",
+                "true",
+            ],
+            b"",
+        );
+
+        assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("agent") && err.contains("bulkhead: error:"),
+            "{err}"
+        );
+    }
+);
+
+#[test]
+fn missing_command_is_a_usage_error() {
+    let out = Command::new(&artifacts().cli).arg("run").output().unwrap();
+
+    assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("CMD"),
+        "{}",
+        describe(&out)
+    );
+}
+
+#[test]
+fn unknown_flag_is_a_usage_error() {
+    let out = Command::new(&artifacts().cli)
+        .args(["run", "--bogus", "--", "true"])
+        .output()
+        .unwrap();
+
+    assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--bogus"));
+}

@@ -1,0 +1,233 @@
+//! The harness behind bulkhead's guest-level integration tests.
+//!
+//! A guest test is an ordinary `#[test]` whose body boots real guests. [`in_vm_host`] decides where
+//! the body runs:
+//!
+//! - on a host whose KVM can boot a stock Linux kernel (hardware-assisted KVM, detected from
+//!   `/sys/module`, or inside the test host itself), the body runs right here;
+//! - otherwise (e.g. this project's build machines, whose `/dev/kvm` is kvm_pvm) the test binary
+//!   re-runs *this one test* inside the nested test host ([`bulkhead_testhost`]) and reports its
+//!   result. One test host boot is shared by every test in the process.
+//!
+//! The test host mounts the workspace's `target/` directory and bulkhead's data directory at the
+//! same paths, so the test binary, the binaries under test, kernels and scratch files have the same
+//! absolute paths in both places.
+#![deny(missing_docs)]
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use bulkhead_testhost::{TcgThreads, TestHost, TestHostConfig};
+use bulkhead_vmm::vstate::kvm::host_kvm;
+
+mod artifacts;
+
+pub use artifacts::{artifacts, kernel_without_vsock, Artifacts};
+
+/// Set in the environment of a test re-run inside the test host.
+const INNER_ENV: &str = "BULKHEAD_IN_TESTHOST";
+/// Longest a single delegated test may take inside the test host.
+const INNER_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// Runs `body` where guests can boot: here, or inside the shared test host.
+///
+/// `test_name` is the test's path as libtest names it (`module::test`); use the [`guest_test!`]
+/// macro rather than calling this directly.
+///
+/// # Panics
+/// When the body panics (here or in the test host), or when the test host cannot be started.
+pub fn in_vm_host(test_name: &str, body: impl FnOnce()) {
+    let args = ["--exact", test_name, "--nocapture", "--test-threads=1"];
+    let Some(stdout) = run_here_or_delegate(&args, body) else {
+        return;
+    };
+    assert!(
+        stdout.contains("1 passed"),
+        "{test_name} did not run in the test host:\n{stdout}"
+    );
+}
+
+/// Runs `body` here when guests can boot here; otherwise re-runs the current executable with
+/// `args` inside the shared test host and returns its stdout.
+///
+/// # Panics
+/// When the re-run fails (non-zero status), with its output.
+pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String> {
+    if env::var_os(INNER_ENV).is_some() || host_kvm().can_boot_stock_kernel() {
+        body();
+        return None;
+    }
+    let out = test_host()
+        .run(&inner_script(args), INNER_TIMEOUT)
+        .unwrap_or_else(|e| panic!("running {args:?} in the test host failed: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status == 0,
+        "{args:?} failed in the test host (status {}):\n--- stdout\n{stdout}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(stdout)
+}
+
+/// Declares a guest-level test: `guest_test!(fn name() { ... })` runs the body through
+/// [`in_vm_host`].
+#[macro_export]
+macro_rules! guest_test {
+    ($(#[$meta:meta])* fn $name:ident() $body:block) => {
+        $(#[$meta])*
+        #[test]
+        fn $name() {
+            let path = concat!(module_path!(), "::", stringify!($name));
+            let name = path.split_once("::").map(|(_, rest)| rest).unwrap_or(path);
+            $crate::in_vm_host(name, || $body);
+        }
+    };
+}
+
+/// The shell script that re-runs this executable with `args` inside the test host.
+fn inner_script(args: &[&str]) -> String {
+    let exe = env::current_exe().expect("current test executable");
+    let home = env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let data = artifacts::data_home();
+    // Settings for the inner run (bench counts, log filters) pass through.
+    let passthrough: String = env::vars()
+        .filter(|(k, v)| k.starts_with("BULKHEAD_") && !v.contains('\''))
+        .map(|(k, v)| format!(" {k}='{v}'"))
+        .collect();
+    format!(
+        "export {INNER_ENV}=1 HOME='{home}' XDG_DATA_HOME='{}' RUST_BACKTRACE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin{passthrough}\n\
+         cd '{}'\n\
+         exec '{}' {}\n",
+        data.display(),
+        workspace_root().display(),
+        exe.display(),
+        args.iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" "),
+    )
+}
+
+fn test_host() -> &'static TestHost {
+    static HOST: OnceLock<TestHost> = OnceLock::new();
+    HOST.get_or_init(|| {
+        let a = artifacts();
+        let config = TestHostConfig {
+            // Multi-threaded TCG: with one TCG thread, about 1 in 7 nested guest boots stalled
+            // before init (measured here); the rare test-host boot livelock of MTTCG is covered
+            // by the test host's boot retry.
+            tcg_threads: TcgThreads::Multi,
+            shares: vec![target_dir(), artifacts::data_home().join("bulkhead")],
+            extra_libs_for: vec![
+                env::current_exe().expect("test exe"),
+                a.vmm.clone(),
+                a.cli.clone(),
+            ],
+            ..TestHostConfig::default()
+        };
+        TestHost::start(config).unwrap_or_else(|e| panic!("cannot start the nested test host: {e}"))
+    })
+}
+
+/// The workspace root (parent of `tests/`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_owned()
+}
+
+/// The cargo target directory this test binary was built into.
+pub fn target_dir() -> PathBuf {
+    if let Some(dir) = env::var_os("CARGO_TARGET_DIR") {
+        let dir = PathBuf::from(dir);
+        return if dir.is_absolute() {
+            dir
+        } else {
+            workspace_root().join(dir)
+        };
+    }
+    workspace_root().join("target")
+}
+
+/// Directory holding the binaries built with the same profile as this test
+/// (`target/debug` or `target/release`).
+pub fn profile_dir() -> PathBuf {
+    let exe = env::current_exe().expect("current test executable");
+    // target/<profile>/deps/<test binary>
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("test binary lives in target/<profile>/deps")
+        .to_owned()
+}
+
+/// A fresh scratch directory under `target/bulkhead-tests/tmp`, visible at the same path inside
+/// the test host.
+pub fn scratch_dir() -> tempfile::TempDir {
+    let parent = target_dir().join("bulkhead-tests/tmp");
+    std::fs::create_dir_all(&parent).expect("create scratch parent");
+    tempfile::Builder::new()
+        .prefix("t-")
+        .tempdir_in(parent)
+        .expect("create scratch dir")
+}
+
+/// A fresh directory on a local file system (the system temp dir) for Unix sockets, which cannot
+/// live on the test host's 9p shares. Inside the test host it is local to the test host.
+pub fn socket_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("bulkhead-sock-")
+        .tempdir()
+        .expect("create socket dir")
+}
+
+/// Longest a single program run by [`run`] may take before the test fails (a hung guest must fail
+/// the test, not stall the suite).
+const RUN_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Runs `program args...` and returns its output (never panics on a non-zero status).
+///
+/// # Panics
+/// When the program cannot be started or is still running after 300 s (it is killed first).
+pub fn run(program: &Path, args: &[&str]) -> Output {
+    let child = Command::new(program)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(RUN_TIMEOUT) {
+        Ok(out) => out.unwrap_or_else(|e| panic!("waiting for {}: {e}", program.display())),
+        Err(_) => {
+            // SAFETY: kill with the pid of our own child, which the waiting thread has not reaped.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            panic!(
+                "{} {args:?} did not finish within {RUN_TIMEOUT:?}",
+                program.display()
+            );
+        }
+    }
+}
+
+/// `output`'s stdout and stderr as text, for assertion messages.
+pub fn describe(output: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Lowercase hex sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(bytes);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
