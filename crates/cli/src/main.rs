@@ -3,6 +3,7 @@
 //! Exit status of `bulkhead run`: the command's own exit code; 128+N when a signal N killed it;
 //! 124 when `--timeout` expired; 125 when bulkhead itself failed (no VM, bad input).
 
+mod daemon_cmds;
 mod run;
 
 use std::process::ExitCode;
@@ -21,6 +22,18 @@ struct Cli {
 enum Command {
     /// Boot a microVM, run one command in it, stream its output, destroy the VM.
     Run(run::RunArgs),
+    /// Create a sandbox in the daemon (bulkheadd) and print its ID.
+    Create(daemon_cmds::CreateArgs),
+    /// List the daemon's sandboxes.
+    Ls(daemon_cmds::LsArgs),
+    /// Run a command in a daemon sandbox, streaming its output.
+    Exec(daemon_cmds::ExecArgs),
+    /// Copy a file into (FILE ID:/path) or out of (ID:/path FILE) a daemon sandbox.
+    Cp(daemon_cmds::CpArgs),
+    /// Destroy daemon sandboxes.
+    Rm(daemon_cmds::RmArgs),
+    /// Show a daemon sandbox's VMM output and serial console.
+    Logs(daemon_cmds::LogsArgs),
 }
 
 /// Exit status when bulkhead itself fails (as `docker run` does).
@@ -53,5 +66,11 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_BULKHEAD_ERROR)
             }
         },
+        Command::Create(args) => daemon_cmds::create(args),
+        Command::Ls(args) => daemon_cmds::ls(args),
+        Command::Exec(args) => daemon_cmds::exec(args),
+        Command::Cp(args) => daemon_cmds::cp(args),
+        Command::Rm(args) => daemon_cmds::rm(args),
+        Command::Logs(args) => daemon_cmds::logs(args),
     }
 }

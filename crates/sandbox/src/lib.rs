@@ -21,5 +21,7 @@
 pub mod paths;
 mod process;
 mod sandbox;
+mod vmm_process;
 
-pub use sandbox::{Error, Sandbox, SandboxConfig, Timings};
+pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState, Timings};
+pub use vmm_process::{start_time_of, VmmExit};

@@ -5,18 +5,27 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// Spawns `vmm --config <config>` with stdout/stderr appended to `log`. With `kill_on_parent_exit`
-/// the VMM receives SIGTERM when the spawning thread exits (PR_SET_PDEATHSIG), so a crashed
-/// client never leaves a VM behind.
+/// How [`spawn_vmm`] starts the VMM.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SpawnOptions<'a> {
+    /// With it the VMM receives SIGTERM when the spawning thread exits (PR_SET_PDEATHSIG), so a
+    /// crashed client never leaves a VM behind.
+    pub kill_on_parent_exit: bool,
+    /// `cgroup.procs` files the VMM joins between fork and exec (see
+    /// [`crate::SandboxConfig::cgroup_procs`]).
+    pub cgroup_procs: &'a [PathBuf],
+}
+
+/// Spawns `vmm --config <config>` with stdout/stderr appended to `log`.
 pub(crate) fn spawn_vmm(
     vmm: &Path,
     config: &Path,
     log: &Path,
-    kill_on_parent_exit: bool,
+    options: SpawnOptions<'_>,
 ) -> io::Result<Child> {
     let out = File::options().create(true).append(true).open(log)?;
     let err = out.try_clone()?;
@@ -26,7 +35,7 @@ pub(crate) fn spawn_vmm(
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
-    if kill_on_parent_exit {
+    if options.kill_on_parent_exit {
         // SAFETY: the closure runs in the child between fork and exec and only calls prctl, which
         // is async-signal-safe.
         unsafe {
@@ -38,7 +47,41 @@ pub(crate) fn spawn_vmm(
             });
         }
     }
+    if !options.cgroup_procs.is_empty() {
+        let files = open_cgroup_procs(options.cgroup_procs)?;
+        // SAFETY: the closure runs in the child between fork and exec; it only calls write(2) on
+        // descriptors opened before the fork (owned by `files`, moved into the closure), which is
+        // async-signal-safe, and allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || join_cgroups(&files));
+        }
+    }
     cmd.spawn()
+}
+
+/// Opens each `cgroup.procs` file for writing, before the fork (opening allocates).
+fn open_cgroup_procs(paths: &[PathBuf]) -> io::Result<Vec<File>> {
+    paths
+        .iter()
+        .map(|path| {
+            File::options().write(true).open(path).map_err(|e| {
+                io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display()))
+            })
+        })
+        .collect()
+}
+
+/// In the forked child: moves the calling process into each cgroup. Writing `0` to
+/// `cgroup.procs` moves the writer's own thread group (cgroup v1 and v2 alike).
+fn join_cgroups(files: &[File]) -> io::Result<()> {
+    for file in files {
+        // SAFETY: `file` is an open descriptor; the buffer is a 1-byte static string.
+        let n = unsafe { libc::write(file.as_raw_fd(), b"0".as_ptr().cast(), 1) };
+        if n != 1 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// A pidfd for `child` (pidfd_open(2), Linux ≥ 5.3): readable once the process exits.
@@ -130,7 +173,7 @@ pub(crate) fn wait_exit(child: &Child, timeout: Duration) -> io::Result<bool> {
     wait_pidfd(&pidfd(child)?, timeout)
 }
 
-fn wait_pidfd(fd: &OwnedFd, timeout: Duration) -> io::Result<bool> {
+pub(crate) fn wait_pidfd(fd: &OwnedFd, timeout: Duration) -> io::Result<bool> {
     let mut pfd = libc::pollfd {
         fd: fd.as_raw_fd(),
         events: libc::POLLIN,

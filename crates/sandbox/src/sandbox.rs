@@ -2,6 +2,7 @@
 
 use std::fs;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -13,13 +14,17 @@ use bulkhead_vmm::boot::cmdline::DEFAULT_CMDLINE;
 use bulkhead_vmm::config::{SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID};
 
 use crate::paths;
-use crate::process::{self, Woken};
+use crate::process::{self, SpawnOptions, Woken};
+use crate::vmm_process::{start_time_of, Adopted, VmmExit, VmmProcess};
 
 /// How long the VMM gets to stop after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// Lines of the VMM log quoted in errors.
 const LOG_TAIL_LINES: usize = 20;
+
+/// Most bytes read from the end of a log to find its last lines (64 KiB).
+const TAIL_BYTES: u64 = 64 * 1024;
 
 /// Errors from starting or using a sandbox.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +75,9 @@ pub enum Error {
     /// Waiting for or stopping the VMM failed.
     #[error("cannot manage the VMM process: {0}")]
     Process(io::Error),
+    /// [`Sandbox::adopt`]: the VMM process or the sandbox's files are gone.
+    #[error("cannot adopt the sandbox: {0}")]
+    Adopt(io::Error),
 }
 
 /// What a sandbox boots and with which resources.
@@ -95,6 +103,11 @@ pub struct SandboxConfig {
     pub ready_timeout: Duration,
     /// Stop the VMM (SIGTERM) when the thread that started it exits.
     pub kill_on_parent_exit: bool,
+    /// `cgroup.procs` files of the cgroups the VMM must run in (one per hierarchy: cgroup v2 has
+    /// one, v1 one per controller). The files are opened before the fork and the child writes
+    /// `0` into each (moving itself) before it execs, so the VMM is charged from its first
+    /// allocation. Empty (the default): the VMM stays in the caller's cgroups.
+    pub cgroup_procs: Vec<PathBuf>,
 }
 
 impl Default for SandboxConfig {
@@ -110,6 +123,7 @@ impl Default for SandboxConfig {
             runtime_dir: paths::runtime_dir(),
             ready_timeout: Duration::from_secs(60),
             kill_on_parent_exit: true,
+            cgroup_procs: Vec::new(),
         }
     }
 }
@@ -123,11 +137,28 @@ pub struct Timings {
     pub ready: Duration,
 }
 
+/// What another process needs to take over a running sandbox with [`Sandbox::adopt`] (e.g. a
+/// daemon after a restart). Serializable, so it can be kept in a state file.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SandboxState {
+    /// The sandbox's private runtime directory (removed when it is destroyed).
+    pub runtime_dir: PathBuf,
+    /// The VM's vsock Unix socket.
+    pub vsock_path: PathBuf,
+    /// Process ID of its `bulkhead-vmm`.
+    pub vmm_pid: u32,
+    /// When that process started, in clock ticks after boot (`/proc/<pid>/stat` field 22): with
+    /// the pid it identifies the process even after the pid is reused.
+    pub vmm_start_time: u64,
+    /// The agent's readiness announcement.
+    pub ready: Ready,
+}
+
 /// A running microVM with its guest agent ready.
 #[derive(Debug)]
 pub struct Sandbox {
-    dir: Option<tempfile::TempDir>,
-    child: Option<Child>,
+    dir: Option<PathBuf>,
+    child: Option<VmmProcess>,
     uds_path: PathBuf,
     ready: Ready,
     timings: Timings,
@@ -153,16 +184,15 @@ impl Sandbox {
         let config_path = dir.path().join("vm.json");
         write_vm_config(config, &uds_path, &config_path)?;
         let log_path = dir.path().join("vmm.log");
-        let mut child = process::spawn_vmm(
-            &config.vmm_binary,
-            &config_path,
-            &log_path,
-            config.kill_on_parent_exit,
-        )
-        .map_err(|source| Error::Spawn {
-            vmm: config.vmm_binary.clone(),
-            source,
-        })?;
+        let options = SpawnOptions {
+            kill_on_parent_exit: config.kill_on_parent_exit,
+            cgroup_procs: &config.cgroup_procs,
+        };
+        let mut child = process::spawn_vmm(&config.vmm_binary, &config_path, &log_path, options)
+            .map_err(|source| Error::Spawn {
+                vmm: config.vmm_binary.clone(),
+                source,
+            })?;
         let spawn = started.elapsed();
         let ready = match wait_ready(&listener, &mut child, &log_path, config.ready_timeout) {
             Ok(ready) => ready,
@@ -176,8 +206,8 @@ impl Sandbox {
             ready: started.elapsed(),
         };
         Ok(Sandbox {
-            dir: Some(dir),
-            child: Some(child),
+            dir: Some(dir.keep()),
+            child: Some(VmmProcess::Child(child)),
             uds_path,
             ready,
             timings,
@@ -214,20 +244,142 @@ impl Sandbox {
 
     /// Process ID of the sandbox's `bulkhead-vmm`.
     pub fn vmm_pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.as_ref().map(VmmProcess::pid)
+    }
+
+    /// The sandbox's private runtime directory (VM configuration, vsock sockets, `vmm.log`).
+    pub fn runtime_path(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
+    /// The last `lines` lines of the VMM's output (`vmm.log`: its messages, and the guest's
+    /// serial console when [`SandboxConfig::console`] is `Stdout`).
+    pub fn log_tail(&self, lines: usize) -> String {
+        match &self.dir {
+            Some(dir) => tail_lines(&dir.join("vmm.log"), lines),
+            None => String::new(),
+        }
+    }
+
+    /// A new pidfd of the VMM process (readable once it exits), e.g. to wait for it with an
+    /// event loop; then call [`Sandbox::try_wait_exit`].
+    ///
+    /// # Errors
+    /// [`Error::Process`] when the VMM was already reaped or pidfd_open(2) fails.
+    pub fn vmm_pidfd(&self) -> Result<OwnedFd, Error> {
+        let child = self.child.as_ref().ok_or_else(|| {
+            Error::Process(io::Error::new(
+                io::ErrorKind::NotFound,
+                "the VMM was reaped",
+            ))
+        })?;
+        child.pidfd().map_err(Error::Process)
+    }
+
+    /// Checks, without blocking, whether the VM has ended by itself; reaps the VMM if so.
+    /// For an adopted sandbox the status is [`VmmExit::Unknown`].
+    ///
+    /// # Errors
+    /// [`Error::Process`] when checking fails.
+    pub fn try_wait_exit(&mut self) -> Result<Option<VmmExit>, Error> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(None);
+        };
+        let exit = child.wait_exit(Duration::ZERO).map_err(Error::Process)?;
+        if exit.is_some() {
+            self.child = None;
+        }
+        Ok(exit)
+    }
+
+    /// What [`Sandbox::adopt`] needs to take this sandbox over from another process.
+    ///
+    /// # Errors
+    /// [`Error::Process`] when the VMM has exited (or was reaped).
+    pub fn state(&self) -> Result<SandboxState, Error> {
+        let (Some(child), Some(dir)) = (&self.child, &self.dir) else {
+            return Err(Error::Process(io::Error::new(
+                io::ErrorKind::NotFound,
+                "the VMM has exited",
+            )));
+        };
+        let vmm_pid = child.pid();
+        Ok(SandboxState {
+            runtime_dir: dir.clone(),
+            vsock_path: self.uds_path.clone(),
+            vmm_pid,
+            vmm_start_time: start_time_of(vmm_pid).map_err(Error::Process)?,
+            ready: self.ready.clone(),
+        })
+    }
+
+    /// Takes over a running sandbox that another process started (and [`Sandbox::detach`]ed, or
+    /// that outlived its owner). The VMM is watched and stopped through a pidfd; its exit status
+    /// cannot be collected ([`VmmExit::Unknown`]).
+    ///
+    /// # Errors
+    /// [`Error::Adopt`] when the VMM process is gone (or the pid belongs to another process
+    /// now) or the vsock socket is missing. Nothing is stopped or removed then.
+    pub fn adopt(state: &SandboxState) -> Result<Sandbox, Error> {
+        let adopted = Adopted::open(state.vmm_pid, state.vmm_start_time).map_err(Error::Adopt)?;
+        if !state.vsock_path.exists() {
+            return Err(Error::Adopt(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{} is missing", state.vsock_path.display()),
+            )));
+        }
+        Ok(Sandbox {
+            dir: Some(state.runtime_dir.clone()),
+            child: Some(VmmProcess::Adopted(adopted)),
+            uds_path: state.vsock_path.clone(),
+            ready: state.ready.clone(),
+            timings: Timings {
+                spawn: Duration::ZERO,
+                ready: Duration::ZERO,
+            },
+        })
+    }
+
+    /// Lets go of the sandbox without stopping it: the VMM keeps running and the runtime
+    /// directory stays, for a later [`Sandbox::adopt`]. (Not with
+    /// [`SandboxConfig::kill_on_parent_exit`], which stops the VMM when this thread exits.)
+    ///
+    /// # Errors
+    /// [`Error::Process`] when the VMM has already exited; the sandbox is then torn down.
+    pub fn detach(self) -> Result<SandboxState, Error> {
+        let state = self.state()?;
+        self.release();
+        Ok(state)
+    }
+
+    /// Lets go of everything without stopping or removing anything (e.g. to keep the runtime
+    /// directory and its `vmm.log` of a VM that has ended); returns the runtime directory.
+    pub fn release(mut self) -> Option<PathBuf> {
+        self.child = None;
+        self.dir.take()
     }
 
     /// Waits up to `timeout` for the VM to end by itself (the guest rebooted or powered off);
     /// returns the VMM's exit status, or `None` if it is still running.
     ///
     /// # Errors
-    /// [`Error::Process`] when waiting fails.
+    /// [`Error::Process`] when waiting fails, and for an adopted VMM that exited (its status is
+    /// unknown: use [`Sandbox::try_wait_exit`]).
     pub fn wait_exit(
         &mut self,
         timeout: Duration,
     ) -> Result<Option<std::process::ExitStatus>, Error> {
-        let Some(child) = self.child.as_mut() else {
-            return Ok(None);
+        let child = match self.child.as_mut() {
+            None => return Ok(None),
+            Some(VmmProcess::Child(child)) => child,
+            Some(adopted) => {
+                return match adopted.wait_exit(timeout).map_err(Error::Process)? {
+                    None => Ok(None),
+                    Some(_) => Err(Error::Process(io::Error::other(
+                        "an adopted VMM exited; its status is unknown (use try_wait_exit)",
+                    ))),
+                }
+            }
         };
         if !process::wait_exit(child, timeout).map_err(Error::Process)? {
             return Ok(None);
@@ -248,14 +400,17 @@ impl Sandbox {
 
     fn teardown(&mut self) -> Result<(), Error> {
         let result = match self.child.take() {
-            Some(mut child) => process::terminate(&mut child, STOP_GRACE)
+            Some(mut child) => child
+                .terminate(STOP_GRACE)
                 .map(|_| ())
                 .map_err(Error::Process),
             None => Ok(()),
         };
         if let Some(dir) = self.dir.take() {
-            if let Err(e) = dir.close() {
-                tracing::warn!("cannot remove the sandbox runtime directory: {e}");
+            if let Err(e) = fs::remove_dir_all(&dir) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!("cannot remove the sandbox runtime directory: {e}");
+                }
             }
         }
         result
@@ -348,18 +503,32 @@ fn wait_ready(
             let status = child.wait().map_err(Error::Process)?;
             Err(Error::VmExited {
                 status: status.to_string(),
-                log: log_tail(log),
+                log: tail_lines(log, LOG_TAIL_LINES),
             })
         }
         Woken::TimedOut => Err(Error::ReadyTimeout(timeout)),
     }
 }
 
-fn log_tail(path: &Path) -> String {
-    let text = fs::read_to_string(path).unwrap_or_default();
+/// The last `count` lines of the file at `path`, read from at most its last [`TAIL_BYTES`].
+fn tail_lines(path: &Path, count: usize) -> String {
+    let text = match read_tail(path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(_) => String::new(),
+    };
     let lines: Vec<&str> = text.lines().collect();
-    let start = lines.len().saturating_sub(LOG_TAIL_LINES);
+    let start = lines.len().saturating_sub(count);
     lines[start..].join("\n")
+}
+
+fn read_tail(path: &Path) -> io::Result<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)))?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
+    Ok(bytes)
 }
 
 #[cfg(test)]
@@ -442,6 +611,51 @@ mod tests {
         // SAFETY: signal 0 only checks for existence.
         let alive = unsafe { libc::kill(pid, 0) } == 0;
         assert!(!alive, "the VMM process {pid} is still running");
+    }
+
+    fn failing_vmm(dir: &Path) -> PathBuf {
+        let vmm = dir.join("fake-vmm");
+        fs::write(&vmm, "#!/bin/sh\nexit 1\n").unwrap();
+        fs::set_permissions(&vmm, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        vmm
+    }
+
+    #[test]
+    fn the_vmm_writes_itself_into_each_cgroup_procs_file_before_it_runs() {
+        // Arrange: plain files stand in for cgroup.procs; the child writes "0" to each.
+        let dir = tempfile::tempdir().unwrap();
+        let procs = [dir.path().join("a.procs"), dir.path().join("b.procs")];
+        for p in &procs {
+            fs::write(p, b"").unwrap();
+        }
+        let mut config = config_in(dir.path());
+        config.vmm_binary = failing_vmm(dir.path());
+        config.cgroup_procs = procs.to_vec();
+
+        // Act
+        let err = Sandbox::start(&config).unwrap_err();
+
+        // Assert
+        assert!(matches!(err, Error::VmExited { .. }), "{err}");
+        for p in &procs {
+            assert_eq!(fs::read_to_string(p).unwrap(), "0");
+        }
+    }
+
+    #[test]
+    fn a_missing_cgroup_is_a_spawn_error_naming_it() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = config_in(dir.path());
+        config.vmm_binary = failing_vmm(dir.path());
+        config.cgroup_procs = vec![dir.path().join("no-such-cgroup/cgroup.procs")];
+
+        // Act
+        let err = Sandbox::start(&config).unwrap_err();
+
+        // Assert
+        assert!(matches!(err, Error::Spawn { .. }), "{err}");
+        assert!(err.to_string().contains("no-such-cgroup"), "{err}");
     }
 
     #[test]

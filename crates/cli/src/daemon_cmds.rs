@@ -1,0 +1,370 @@
+//! The verbs that talk to `bulkheadd` over its socket (`--socket`, `$BULKHEAD_SOCKET`, default
+//! `/run/bulkhead/bulkheadd.sock`): `create`, `ls`, `exec`, `cp`, `rm`, `logs`. `bulkhead run`
+//! needs no daemon.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use bulkhead_client::{Client, CreateSandbox, ExecEvent, ExecSpec, SandboxInfo};
+
+/// How to reach the daemon.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DaemonOpts {
+    /// The daemon's socket.
+    #[arg(long, env = "BULKHEAD_SOCKET", default_value = bulkhead_client::DEFAULT_SOCKET, value_name = "PATH")]
+    socket: PathBuf,
+}
+
+impl DaemonOpts {
+    fn client(&self) -> Client {
+        Client::new(&self.socket)
+    }
+}
+
+/// `bulkhead create`: boot a sandbox in the daemon and print its ID.
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Guest memory, MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    memory: u32,
+    /// Host CPU quota as a fraction of one CPU (e.g. 0.5).
+    #[arg(long, value_name = "FRACTION")]
+    cpu_quota: Option<f64>,
+    /// Most host tasks (threads) of the VMM process.
+    #[arg(long, value_name = "N")]
+    pids_max: Option<u32>,
+    /// Kernel name from the daemon's kernels directory.
+    #[arg(long, value_name = "NAME")]
+    kernel: Option<String>,
+    /// Image name from the daemon's images directory.
+    #[arg(long, value_name = "NAME")]
+    image: Option<String>,
+    /// Environment for every command in the sandbox (repeatable).
+    #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = key_value)]
+    env: Vec<(String, String)>,
+    /// Destroy the sandbox after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    ttl: Option<u64>,
+    /// Label (repeatable).
+    #[arg(short = 'l', long = "label", value_name = "K=V", value_parser = key_value)]
+    labels: Vec<(String, String)>,
+    /// Print the sandbox as JSON instead of its ID.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `bulkhead ls`: list the daemon's sandboxes.
+#[derive(Debug, clap::Args)]
+pub struct LsArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// Only sandboxes with this label (repeatable).
+    #[arg(short = 'l', long = "label", value_name = "K=V", value_parser = key_value)]
+    labels: Vec<(String, String)>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `bulkhead exec`: run a command in a sandbox, streaming its output.
+#[derive(Debug, clap::Args)]
+pub struct ExecArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// Environment variable (repeatable).
+    #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = key_value)]
+    env: Vec<(String, String)>,
+    /// Working directory in the guest.
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<String>,
+    /// Guest user (name, uid or uid:gid).
+    #[arg(long, short = 'u')]
+    user: Option<String>,
+    /// Kill the command after this many seconds (exit status 124).
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
+    /// Send all of our stdin to the command (read before it starts).
+    #[arg(long, short = 'i')]
+    stdin: bool,
+    /// The sandbox.
+    id: String,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+/// `bulkhead cp`: copy a file into (`cp FILE ID:/path`) or out of (`cp ID:/path FILE`) a sandbox.
+#[derive(Debug, clap::Args)]
+pub struct CpArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// Permission bits of the guest file when copying in (octal).
+    #[arg(long, value_name = "OCTAL", default_value = "644", value_parser = octal)]
+    mode: u32,
+    /// Source: a local file (`-` for stdin) or `ID:/path`.
+    src: String,
+    /// Destination: a local file (`-` for stdout) or `ID:/path`.
+    dst: String,
+}
+
+/// `bulkhead rm`: destroy sandboxes.
+#[derive(Debug, clap::Args)]
+pub struct RmArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// Sandbox IDs.
+    #[arg(required = true)]
+    ids: Vec<String>,
+}
+
+/// `bulkhead logs`: the VMM's output and serial console of a sandbox.
+#[derive(Debug, clap::Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// How many lines (at most 10000).
+    #[arg(long, short = 'n', default_value_t = 200)]
+    lines: usize,
+    /// The sandbox.
+    id: String,
+}
+
+fn key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("`{s}` is not KEY=VALUE")),
+    }
+}
+
+fn octal(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8).map_err(|_| format!("`{s}` is not an octal mode"))
+}
+
+/// Runs `future` on a small runtime; maps its result to the process exit status.
+fn block_on(future: impl std::future::Future<Output = Result<u8, String>>) -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
+    let result = match runtime {
+        Ok(rt) => rt.block_on(future),
+        Err(e) => Err(format!("cannot start the async runtime: {e}")),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("bulkhead: error: {e}");
+            ExitCode::from(crate::EXIT_BULKHEAD_ERROR)
+        }
+    }
+}
+
+/// `bulkhead create`.
+pub fn create(args: CreateArgs) -> ExitCode {
+    block_on(async move {
+        let spec = CreateSandbox {
+            vcpus: args.vcpus,
+            memory_mib: args.memory,
+            cpu_quota: args.cpu_quota,
+            pids_max: args.pids_max,
+            kernel: args.kernel,
+            image: args.image,
+            env: args.env.into_iter().collect(),
+            ttl_s: args.ttl,
+            labels: args.labels.into_iter().collect(),
+        };
+        let info = args
+            .daemon
+            .client()
+            .create(&spec)
+            .await
+            .map_err(|e| e.to_string())?;
+        match args.json {
+            true => println!("{}", to_json(&info)),
+            false => println!("{}", info.id),
+        }
+        Ok(0)
+    })
+}
+
+/// `bulkhead ls`.
+pub fn ls(args: LsArgs) -> ExitCode {
+    block_on(async move {
+        let labels: BTreeMap<String, String> = args.labels.into_iter().collect();
+        let list = args
+            .daemon
+            .client()
+            .list(&labels)
+            .await
+            .map_err(|e| e.to_string())?;
+        if args.json {
+            println!("{}", to_json(&list));
+            return Ok(0);
+        }
+        println!(
+            "{:<12}  {:<10}  {:>5}  {:>8}  {:<24}  LABELS",
+            "ID", "STATE", "VCPUS", "MEM(MiB)", "CREATED"
+        );
+        for sb in &list {
+            println!("{}", row(sb));
+        }
+        Ok(0)
+    })
+}
+
+fn row(sb: &SandboxInfo) -> String {
+    let labels: Vec<String> = sb.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!(
+        "{:<12}  {:<10}  {:>5}  {:>8}  {:<24}  {}",
+        sb.id,
+        sb.state.as_str(),
+        sb.vcpus,
+        sb.memory_mib,
+        sb.created_at,
+        labels.join(",")
+    )
+}
+
+fn to_json(value: &impl serde::Serialize) -> String {
+    serde_json::to_string_pretty(value).unwrap_or_default()
+}
+
+/// `bulkhead exec`: exit status as `bulkhead run` (the command's code, 128+N for signal N, 124
+/// for a timeout, 125 for bulkhead's own failures).
+pub fn exec(args: ExecArgs) -> ExitCode {
+    block_on(async move {
+        let mut spec = ExecSpec::new(args.command);
+        spec.env = args.env.into_iter().collect();
+        spec.cwd = args.workdir;
+        spec.user = args.user;
+        spec.timeout_s = args.timeout;
+        if args.stdin {
+            let mut input = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut input)
+                .map_err(|e| format!("reading stdin: {e}"))?;
+            use base64::Engine as _;
+            spec.stdin = Some(base64::engine::general_purpose::STANDARD.encode(input));
+        }
+        let mut stream = args
+            .daemon
+            .client()
+            .exec(&args.id, &spec)
+            .await
+            .map_err(|e| e.to_string())?;
+        loop {
+            match stream.next_event().await.map_err(|e| e.to_string())? {
+                Some(ExecEvent::Stdout(b)) => write_out(&mut std::io::stdout(), &b),
+                Some(ExecEvent::Stderr(b)) => write_out(&mut std::io::stderr(), &b),
+                Some(ExecEvent::Exit(exit)) => return Ok(exit_code(&exit)),
+                None => return Err("the stream ended without an exit status".into()),
+            }
+        }
+    })
+}
+
+fn write_out(out: &mut impl Write, bytes: &[u8]) {
+    if out.write_all(bytes).and_then(|()| out.flush()).is_err() {
+        tracing::debug!("local output closed");
+    }
+}
+
+fn exit_code(exit: &bulkhead_client::ExitInfo) -> u8 {
+    if exit.timed_out {
+        eprintln!("bulkhead: the command timed out and was killed");
+        return crate::run::EXIT_TIMEOUT;
+    }
+    match (exit.code, exit.signal) {
+        (Some(code), _) => code.clamp(0, 255) as u8,
+        (None, Some(sig)) => (128 + sig).clamp(0, 255) as u8,
+        (None, None) => crate::EXIT_BULKHEAD_ERROR,
+    }
+}
+
+/// `ID:/path` → (ID, /path).
+fn remote(spec: &str) -> Option<(&str, &str)> {
+    let (id, path) = spec.split_once(':')?;
+    (!id.is_empty() && !id.contains('/') && path.starts_with('/')).then_some((id, path))
+}
+
+/// `bulkhead cp`.
+pub fn cp(args: CpArgs) -> ExitCode {
+    block_on(async move {
+        let client = args.daemon.client();
+        match (remote(&args.src), remote(&args.dst)) {
+            (None, Some((id, path))) => {
+                let data = match args.src.as_str() {
+                    "-" => {
+                        let mut buf = Vec::new();
+                        std::io::stdin().read_to_end(&mut buf).map(|_| buf)
+                    }
+                    local => std::fs::read(local),
+                }
+                .map_err(|e| format!("{}: {e}", args.src))?;
+                client
+                    .write_file(id, path, args.mode, data)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(0)
+            }
+            (Some((id, path)), None) => {
+                let data = client
+                    .read_file(id, path)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match args.dst.as_str() {
+                    "-" => std::io::stdout().write_all(&data),
+                    local => std::fs::write(local, &data),
+                }
+                .map_err(|e| format!("{}: {e}", args.dst))?;
+                Ok(0)
+            }
+            _ => Err("exactly one of SRC and DST must be ID:/absolute/path".into()),
+        }
+    })
+}
+
+/// `bulkhead rm`.
+pub fn rm(args: RmArgs) -> ExitCode {
+    block_on(async move {
+        let client = args.daemon.client();
+        for id in &args.ids {
+            client.delete(id).await.map_err(|e| format!("{id}: {e}"))?;
+        }
+        Ok(0)
+    })
+}
+
+/// `bulkhead logs`.
+pub fn logs(args: LogsArgs) -> ExitCode {
+    block_on(async move {
+        let text = args
+            .daemon
+            .client()
+            .logs(&args.id, args.lines)
+            .await
+            .map_err(|e| e.to_string())?;
+        print!("{text}");
+        Ok(0)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_paths_need_an_id_and_an_absolute_path() {
+        // Arrange / Act / Assert
+        assert_eq!(remote("abc:/tmp/x"), Some(("abc", "/tmp/x")));
+        assert_eq!(remote("./local:file"), None);
+        assert_eq!(remote("abc:relative"), None);
+        assert_eq!(remote("/abs/path"), None);
+    }
+}

@@ -1,0 +1,351 @@
+//! A typed async client of `bulkheadd`, the bulkhead host daemon: HTTP/1.1 + JSON over its Unix
+//! socket (`docs/daemon.md` has the API; the daemon serves its OpenAPI document at
+//! `GET /openapi.json`).
+//!
+//! ```no_run
+//! use bulkhead_client::{Client, CreateSandbox, ExecSpec};
+//!
+//! # async fn demo() -> Result<(), bulkhead_client::Error> {
+//! let client = Client::from_env(); // $BULKHEAD_SOCKET or /run/bulkhead/bulkheadd.sock
+//! let sandbox = client.create(&CreateSandbox::default()).await?;
+//! let out = client.exec_collect(&sandbox.id, &ExecSpec::new(["uname", "-a"])).await?;
+//! print!("{}", String::from_utf8_lossy(&out.stdout));
+//! client.delete(&sandbox.id).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Every call opens its own connection (cheap on a Unix socket), so a [`Client`] may be shared
+//! and used concurrently.
+#![deny(missing_docs)]
+
+mod exec;
+mod http;
+pub mod types;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use base64::Engine as _;
+use bytes::Bytes;
+use hyper::{Method, StatusCode};
+
+pub use exec::{ExecEvent, ExecOutput, ExecStream};
+pub use types::{
+    CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo, Failure,
+    FileWritten, Health, Limits, SandboxInfo, SandboxState,
+};
+
+/// Where the daemon listens unless told otherwise.
+pub const DEFAULT_SOCKET: &str = "/run/bulkhead/bulkheadd.sock";
+
+/// Environment variable naming the daemon's socket.
+pub const SOCKET_ENV: &str = "BULKHEAD_SOCKET";
+
+/// Request header carrying a file's permission bits (octal, e.g. `644`) on `PUT .../files`.
+pub const MODE_HEADER: &str = "x-bulkhead-mode";
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The daemon's socket could not be connected.
+    #[error("cannot connect to bulkheadd at {}: {source} (is the daemon running? set --socket or BULKHEAD_SOCKET)", path.display())]
+    Connect {
+        /// The socket path.
+        path: PathBuf,
+        /// What connect(2) said.
+        source: std::io::Error,
+    },
+    /// The HTTP exchange failed (e.g. the daemon closed the connection).
+    #[error("talking to bulkheadd: {0}")]
+    Http(#[from] hyper::Error),
+    /// The daemon answered with an error document.
+    #[error("bulkheadd: {message} ({status} {code})")]
+    Api {
+        /// HTTP status code.
+        status: u16,
+        /// The error's machine-readable code.
+        code: String,
+        /// The daemon's explanation.
+        message: String,
+    },
+    /// An exec stream ended before the command's exit status: the daemon stopped (or died), or
+    /// the connection broke. The command may still have run.
+    #[error("the exec stream ended before the command's exit status (did bulkheadd stop?): {0}")]
+    Interrupted(String),
+    /// An answer could not be decoded.
+    #[error("unexpected answer from bulkheadd: {0}")]
+    Decode(String),
+}
+
+impl Error {
+    /// The HTTP status of an [`Error::Api`].
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Error::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A handle on one daemon. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Client {
+    socket: PathBuf,
+}
+
+impl Client {
+    /// A client for the daemon listening on `socket`.
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        Client {
+            socket: socket.into(),
+        }
+    }
+
+    /// A client for `$BULKHEAD_SOCKET`, or [`DEFAULT_SOCKET`].
+    pub fn from_env() -> Self {
+        match std::env::var_os(SOCKET_ENV).filter(|v| !v.is_empty()) {
+            Some(path) => Client::new(path),
+            None => Client::new(DEFAULT_SOCKET),
+        }
+    }
+
+    /// The socket this client talks to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// `GET /healthz`.
+    pub async fn health(&self) -> Result<Health, Error> {
+        self.json(Method::GET, "/healthz", None).await
+    }
+
+    /// `POST /v1/sandboxes`: boots a sandbox; returns when its agent is ready (state
+    /// `running`).
+    pub async fn create(&self, request: &CreateSandbox) -> Result<SandboxInfo, Error> {
+        self.json(Method::POST, "/v1/sandboxes", Some(to_json(request)?))
+            .await
+    }
+
+    /// `GET /v1/sandboxes`: every sandbox carrying all of `labels`.
+    pub async fn list(&self, labels: &BTreeMap<String, String>) -> Result<Vec<SandboxInfo>, Error> {
+        let query: Vec<String> = labels
+            .iter()
+            .map(|(k, v)| format!("label={}", encode(&format!("{k}={v}"))))
+            .collect();
+        let path = match query.is_empty() {
+            true => "/v1/sandboxes".to_owned(),
+            false => format!("/v1/sandboxes?{}", query.join("&")),
+        };
+        self.json(Method::GET, &path, None).await
+    }
+
+    /// `GET /v1/sandboxes/{id}`.
+    pub async fn get(&self, id: &str) -> Result<SandboxInfo, Error> {
+        self.json(Method::GET, &sandbox_path(id, ""), None).await
+    }
+
+    /// `DELETE /v1/sandboxes/{id}`: destroys the sandbox (the VM, its cgroup and files).
+    /// Idempotent: deleting an unknown or already deleted sandbox succeeds.
+    pub async fn delete(&self, id: &str) -> Result<(), Error> {
+        let (status, body) = self
+            .raw(Method::DELETE, &sandbox_path(id, ""), None, &[])
+            .await?;
+        check(status, &body).map(|_| ())
+    }
+
+    /// `POST /v1/sandboxes/{id}/exec`: starts a command and streams its output.
+    pub async fn exec(&self, id: &str, spec: &ExecSpec) -> Result<ExecStream, Error> {
+        let path = sandbox_path(id, "/exec");
+        let response =
+            http::send(&self.socket, Method::POST, &path, Some(to_json(spec)?), &[]).await?;
+        ExecStream::from_response(response).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/exec/collect`: runs a command and returns all its output.
+    pub async fn exec_collect(&self, id: &str, spec: &ExecSpec) -> Result<ExecOutput, Error> {
+        let path = sandbox_path(id, "/exec/collect");
+        let result: ExecResult = self.json(Method::POST, &path, Some(to_json(spec)?)).await?;
+        Ok(ExecOutput {
+            stdout: decode_b64(&result.stdout)?,
+            stderr: decode_b64(&result.stderr)?,
+            exit: result.exit,
+        })
+    }
+
+    /// `PUT /v1/sandboxes/{id}/files?path=`: writes `contents` to the absolute guest `path` with
+    /// permission bits `mode` (e.g. `0o644`); returns the bytes written.
+    pub async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        mode: u32,
+        contents: impl Into<Bytes>,
+    ) -> Result<u64, Error> {
+        let uri = format!("{}?path={}", sandbox_path(id, "/files"), encode(path));
+        let mode = format!("{mode:o}");
+        let headers = [(MODE_HEADER, mode.as_str())];
+        let (status, body) = self
+            .raw(Method::PUT, &uri, Some(contents.into()), &headers)
+            .await?;
+        let written: FileWritten = parse(&check(status, &body)?)?;
+        Ok(written.bytes)
+    }
+
+    /// `GET /v1/sandboxes/{id}/files?path=`: the contents of the guest file `path`.
+    pub async fn read_file(&self, id: &str, path: &str) -> Result<Vec<u8>, Error> {
+        let uri = format!("{}?path={}", sandbox_path(id, "/files"), encode(path));
+        let (status, body) = self.raw(Method::GET, &uri, None, &[]).await?;
+        Ok(check(status, &body)?.to_vec())
+    }
+
+    /// `GET /v1/sandboxes/{id}/logs?lines=`: the last `lines` lines (at most 10000) of the VMM's
+    /// output, which includes the guest's serial console.
+    pub async fn logs(&self, id: &str, lines: usize) -> Result<String, Error> {
+        self.text(&format!("{}?lines={lines}", sandbox_path(id, "/logs")))
+            .await
+    }
+
+    /// `GET /metrics`: Prometheus text exposition.
+    pub async fn metrics(&self) -> Result<String, Error> {
+        self.text("/metrics").await
+    }
+
+    /// `GET /openapi.json`.
+    pub async fn openapi(&self) -> Result<serde_json::Value, Error> {
+        self.json(Method::GET, "/openapi.json", None).await
+    }
+
+    /// Sends any request and returns the status and whole body, without interpreting them
+    /// (for tools and tests). `path` includes the query string.
+    pub async fn raw(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Bytes>,
+        headers: &[(&str, &str)],
+    ) -> Result<(StatusCode, Bytes), Error> {
+        let response = http::send(&self.socket, method, path, body, headers).await?;
+        http::collect(response).await
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Bytes>,
+    ) -> Result<T, Error> {
+        let (status, bytes) = self.raw(method, path, body, &[]).await?;
+        parse(&check(status, &bytes)?)
+    }
+
+    async fn text(&self, path: &str) -> Result<String, Error> {
+        let (status, bytes) = self.raw(Method::GET, path, None, &[]).await?;
+        let body = check(status, &bytes)?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
+/// `/v1/sandboxes/<id><suffix>` with `id` percent-encoded.
+fn sandbox_path(id: &str, suffix: &str) -> String {
+    format!("/v1/sandboxes/{}{suffix}", encode(id))
+}
+
+fn to_json(value: &impl serde::Serialize) -> Result<Bytes, Error> {
+    serde_json::to_vec(value)
+        .map(Bytes::from)
+        .map_err(|e| Error::Decode(format!("cannot encode the request: {e}")))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Error> {
+    serde_json::from_slice(body).map_err(|e| Error::Decode(e.to_string()))
+}
+
+/// The body of a 2xx answer, or the error document of any other as [`Error::Api`].
+fn check(status: StatusCode, body: &Bytes) -> Result<Bytes, Error> {
+    if status.is_success() {
+        return Ok(body.clone());
+    }
+    Err(api_error(status, body))
+}
+
+pub(crate) fn api_error(status: StatusCode, body: &[u8]) -> Error {
+    match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(doc) => Error::Api {
+            status: status.as_u16(),
+            code: doc.error.code,
+            message: doc.error.message,
+        },
+        Err(_) => Error::Api {
+            status: status.as_u16(),
+            code: "http".into(),
+            message: String::from_utf8_lossy(body).into_owned(),
+        },
+    }
+}
+
+pub(crate) fn decode_b64(text: &str) -> Result<Vec<u8>, Error> {
+    base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .map_err(|e| Error::Decode(format!("bad base64: {e}")))
+}
+
+/// Percent-encodes everything but RFC 3986 unreserved characters and `/`.
+pub fn encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_values_are_percent_encoded() {
+        // Arrange / Act
+        let encoded = encode("/tmp/a b&c=d/ü");
+
+        // Assert
+        assert_eq!(encoded, "/tmp/a%20b%26c%3Dd/%C3%BC");
+    }
+
+    #[test]
+    fn an_error_document_becomes_an_api_error() {
+        // Arrange
+        let body = br#"{"error":{"code":"not_found","message":"no sandbox x"}}"#;
+
+        // Act
+        let err = api_error(StatusCode::NOT_FOUND, body);
+
+        // Assert
+        assert_eq!(err.status(), Some(404));
+        assert_eq!(err.to_string(), "bulkheadd: no sandbox x (404 not_found)");
+    }
+
+    #[test]
+    fn create_requests_reject_unknown_fields() {
+        // Arrange / Act
+        let result = serde_json::from_str::<CreateSandbox>(r#"{"vcpus":1,"memroy_mib":5}"#);
+
+        // Assert
+        assert!(result.unwrap_err().to_string().contains("memroy_mib"));
+    }
+
+    #[test]
+    fn exec_lines_have_one_key() {
+        // Arrange
+        let line = ExecLine::Stdout("aGk=".into());
+
+        // Act
+        let json = serde_json::to_string(&line).unwrap();
+
+        // Assert
+        assert_eq!(json, r#"{"stdout":"aGk="}"#);
+    }
+}

@@ -1,0 +1,293 @@
+//! The JSON documents of the bulkheadd API, shared by the daemon (which also generates its OpenAPI
+//! document from them, with the `openapi` feature) and this client.
+//!
+//! Request bodies reject unknown fields, so a typo is an error rather than a silently ignored
+//! setting. Byte strings (command output, stdin) are base64 (RFC 4648, standard alphabet, padded).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Default vCPU count of a sandbox.
+pub const DEFAULT_VCPUS: u8 = 1;
+/// Default guest RAM of a sandbox, MiB.
+pub const DEFAULT_MEMORY_MIB: u32 = 256;
+
+fn default_vcpus() -> u8 {
+    DEFAULT_VCPUS
+}
+
+fn default_memory_mib() -> u32 {
+    DEFAULT_MEMORY_MIB
+}
+
+/// Body of `POST /v1/sandboxes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    /// Number of vCPUs (1..=the daemon's `max_vcpus`).
+    #[serde(default = "default_vcpus")]
+    #[cfg_attr(feature = "openapi", schema(default = 1, minimum = 1))]
+    pub vcpus: u8,
+    /// Guest RAM in MiB (at least 16, at most the host's available memory). The VMM's cgroup
+    /// memory limit is this plus the daemon's VMM allowance.
+    #[serde(default = "default_memory_mib")]
+    #[cfg_attr(feature = "openapi", schema(default = 256, minimum = 16))]
+    pub memory_mib: u32,
+    /// CPU time the VMM may use, as a fraction of one host CPU (0.5 = half a CPU; 2.0 = two
+    /// CPUs), enforced by the cgroup CPU quota over a 100 ms period. None: no quota.
+    #[serde(default)]
+    pub cpu_quota: Option<f64>,
+    /// Most tasks (processes and threads) the VMM process may have on the host (`pids.max`).
+    /// None: the daemon's default.
+    #[serde(default)]
+    pub pids_max: Option<u32>,
+    /// Name of a kernel in the daemon's kernels directory. None: the daemon's default kernel.
+    #[serde(default)]
+    pub kernel: Option<String>,
+    /// Name of a guest image in the daemon's images directory. None: the default image.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Environment every command in the sandbox starts with (an exec's own `env` overrides it).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Seconds after creation when the daemon destroys the sandbox. None: no limit.
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+    /// Free-form labels, for filtering `GET /v1/sandboxes?label=k=v`.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Default for CreateSandbox {
+    fn default() -> Self {
+        CreateSandbox {
+            vcpus: DEFAULT_VCPUS,
+            memory_mib: DEFAULT_MEMORY_MIB,
+            cpu_quota: None,
+            pids_max: None,
+            kernel: None,
+            image: None,
+            env: BTreeMap::new(),
+            ttl_s: None,
+            labels: BTreeMap::new(),
+        }
+    }
+}
+
+/// Where a sandbox is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    /// The VM is booting; the agent is not ready yet.
+    Creating,
+    /// The agent is ready: exec and files work.
+    Running,
+    /// The VM ended by itself or could not start; see `failure`. Delete it to free it.
+    Failed,
+    /// Being destroyed.
+    Destroying,
+}
+
+impl SandboxState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [SandboxState; 4] = [
+        SandboxState::Creating,
+        SandboxState::Running,
+        SandboxState::Failed,
+        SandboxState::Destroying,
+    ];
+
+    /// The state's name as in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Running => "running",
+            SandboxState::Failed => "failed",
+            SandboxState::Destroying => "destroying",
+        }
+    }
+}
+
+/// Why a sandbox failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Failure {
+    /// Short machine-readable reason: `start_failed`, `guest_shutdown`, `vmm_error`,
+    /// `guest_crash`, `killed`, `vanished`.
+    pub reason: String,
+    /// Human-readable detail (the VMM's exit status or the start error).
+    pub message: String,
+    /// The last lines of the VMM's output (its messages and the guest's serial console).
+    pub log_tail: String,
+}
+
+/// The host-side limits applied to a sandbox's VMM process.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Limits {
+    /// cgroup memory limit, bytes: guest RAM plus the VMM allowance.
+    pub memory_bytes: u64,
+    /// CPU quota as a fraction of one host CPU; None: none.
+    pub cpu_quota: Option<f64>,
+    /// cgroup `pids.max`.
+    pub pids_max: u32,
+    /// The VMM's cgroup (path inside the cgroup hierarchy); None when cgroups are off.
+    pub cgroup: Option<String>,
+}
+
+/// A sandbox as the daemon reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SandboxInfo {
+    /// Identifier (12 lowercase hex digits).
+    pub id: String,
+    /// Current state.
+    pub state: SandboxState,
+    /// Creation time, RFC 3339 UTC.
+    pub created_at: String,
+    /// When the TTL destroys it, RFC 3339 UTC; None: no TTL.
+    pub expires_at: Option<String>,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM, MiB.
+    pub memory_mib: u32,
+    /// Kernel name, or None for the default.
+    pub kernel: Option<String>,
+    /// Image name, or None for the default.
+    pub image: Option<String>,
+    /// Labels given at creation.
+    pub labels: BTreeMap<String, String>,
+    /// Host limits of the VMM process.
+    pub limits: Limits,
+    /// Host process ID of the VMM while it runs.
+    pub vmm_pid: Option<u32>,
+    /// Set in state `failed`.
+    pub failure: Option<Failure>,
+}
+
+/// Body of `POST /v1/sandboxes/{id}/exec` and `.../exec/collect`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ExecSpec {
+    /// Program and arguments; `argv[0]` is looked up in `PATH` when it has no `/`.
+    pub argv: Vec<String>,
+    /// Environment added to (and overriding) the sandbox's.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Absolute working directory in the guest; `/` when absent.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Guest user: name, uid or uid:gid; root when absent.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Base64 bytes fed to the command's stdin, followed by end of file. Absent: stdin is
+    /// `/dev/null`.
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Seconds after which the command's whole process group is killed (`exit.timed_out`).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+}
+
+impl ExecSpec {
+    /// A spec that runs `argv` with no extra environment, stdin or timeout.
+    pub fn new<I, S>(argv: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        ExecSpec {
+            argv: argv.into_iter().map(Into::into).collect(),
+            ..ExecSpec::default()
+        }
+    }
+}
+
+/// How a command ended. Exactly one of `code` and `signal` is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExitInfo {
+    /// Exit code (0..=255) of a normal exit.
+    pub code: Option<i32>,
+    /// Number of the signal that ended it.
+    pub signal: Option<i32>,
+    /// The `timeout_s` passed and the process group was killed.
+    pub timed_out: bool,
+}
+
+impl ExitInfo {
+    /// True for exit code 0 without a timeout.
+    pub fn success(&self) -> bool {
+        self.code == Some(0) && !self.timed_out
+    }
+}
+
+/// One line of the NDJSON stream of `POST /v1/sandboxes/{id}/exec`: exactly one key. The last
+/// line is `exit`, or `error` when the stream broke after it started.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum ExecLine {
+    /// Base64 bytes the command wrote to stdout.
+    Stdout(String),
+    /// Base64 bytes the command wrote to stderr.
+    Stderr(String),
+    /// The command ended.
+    Exit(ExitInfo),
+    /// The stream failed (e.g. the VM died).
+    Error(ErrorDetail),
+}
+
+/// Answer of `POST /v1/sandboxes/{id}/exec/collect`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExecResult {
+    /// Base64 of everything written to stdout.
+    pub stdout: String,
+    /// Base64 of everything written to stderr.
+    pub stderr: String,
+    /// How it ended.
+    pub exit: ExitInfo,
+}
+
+/// Answer of `PUT /v1/sandboxes/{id}/files`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FileWritten {
+    /// Bytes written.
+    pub bytes: u64,
+}
+
+/// Answer of `GET /healthz`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Health {
+    /// `ok`.
+    pub status: String,
+    /// The daemon's version.
+    pub version: String,
+    /// Sandboxes it holds, in any state.
+    pub sandboxes: usize,
+}
+
+/// Error details.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ErrorDetail {
+    /// Machine-readable code, e.g. `not_found`, `invalid_request`, `conflict`.
+    pub code: String,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+/// Body of every 4xx/5xx answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ErrorBody {
+    /// What went wrong.
+    pub error: ErrorDetail,
+}

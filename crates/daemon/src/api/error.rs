@@ -1,0 +1,139 @@
+//! API errors: every 4xx/5xx answer is `{"error": {"code", "message"}}`.
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bulkhead_client::{ErrorBody, ErrorDetail};
+use bulkhead_protocol::client::ClientError;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+
+use crate::manager::ManagerError;
+
+/// An error answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{status} {code}: {message}")]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Machine-readable code.
+    pub code: &'static str,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with `status`, `code` and `message`.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// 400 `invalid_request`.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+
+    /// 413 `payload_too_large`.
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message)
+    }
+
+    /// The same error as a JSON document (for NDJSON `error` lines).
+    pub fn detail(&self) -> ErrorDetail {
+        ErrorDetail {
+            code: self.code.to_owned(),
+            message: self.message.clone(),
+        }
+    }
+
+    /// An error talking to a guest agent: the agent's own refusal is the request's fault (404
+    /// for a missing file, else 400); anything else means the VM is unreachable (502).
+    pub fn from_agent(err: ClientError) -> Self {
+        match err {
+            ClientError::Agent(message) if message.contains("No such file") => {
+                Self::new(StatusCode::NOT_FOUND, "not_found", message)
+            }
+            ClientError::Agent(message) => {
+                Self::new(StatusCode::BAD_REQUEST, "guest_rejected", message)
+            }
+            other => Self::new(
+                StatusCode::BAD_GATEWAY,
+                "agent_unreachable",
+                format!("cannot reach the guest agent: {other}"),
+            ),
+        }
+    }
+}
+
+impl From<ManagerError> for ApiError {
+    fn from(err: ManagerError) -> Self {
+        let (status, code) = match &err {
+            ManagerError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            ManagerError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ManagerError::InsufficientMemory(_) => {
+                (StatusCode::UNPROCESSABLE_ENTITY, "insufficient_memory")
+            }
+            ManagerError::TooMany(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_sandboxes"),
+            ManagerError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            ManagerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
+            ManagerError::StartFailed(_) => (StatusCode::INTERNAL_SERVER_ERROR, "start_failed"),
+            ManagerError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        ApiError::new(status, code, err.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::error!("{}", self.message);
+        }
+        let body = ErrorBody {
+            error: self.detail(),
+        };
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// A JSON request body: read whole (within the body limit: 413 beyond it), then parsed
+/// strictly (400 with serde's message for malformed JSON, wrong types and unknown fields). The
+/// content type is not checked, so `curl -d` works.
+#[derive(Debug)]
+pub struct ApiJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for ApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(body_rejection)?;
+        serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                format!("invalid JSON body: {e}"),
+            )
+        })
+    }
+}
+
+fn body_rejection(rejection: BytesRejection) -> ApiError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError::too_large(format!(
+            "request body larger than {} bytes",
+            super::MAX_JSON_BYTES
+        ));
+    }
+    ApiError::new(rejection.status(), "invalid_body", rejection.body_text())
+}

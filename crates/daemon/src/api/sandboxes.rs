@@ -1,0 +1,115 @@
+//! `/v1/sandboxes`: create, list, inspect, delete, logs.
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::Json;
+use bulkhead_client::{CreateSandbox, ErrorBody, SandboxInfo};
+
+use super::error::{ApiError, ApiJson};
+use crate::manager::Manager;
+
+/// Default and largest `lines` of `GET .../logs`.
+const DEFAULT_LOG_LINES: usize = 200;
+const MAX_LOG_LINES: usize = 10_000;
+
+/// Boots a sandbox; answers once its guest agent is ready.
+#[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
+    responses(
+        (status = 201, description = "Running", body = SandboxInfo),
+        (status = 400, description = "Invalid request (malformed JSON, unknown field, value out of range)", body = ErrorBody),
+        (status = 413, description = "Body larger than 1 MiB", body = ErrorBody),
+        (status = 422, description = "Not enough host memory", body = ErrorBody),
+        (status = 429, description = "Sandbox limit reached", body = ErrorBody),
+        (status = 500, description = "The VM could not start (the message quotes its log)", body = ErrorBody),
+        (status = 503, description = "The daemon is shutting down", body = ErrorBody)))]
+pub async fn create(
+    State(manager): State<Manager>,
+    ApiJson(spec): ApiJson<CreateSandbox>,
+) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
+    let info = manager.create(spec).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// Lists sandboxes, optionally only those with every given label (`?label=k=v&label=k2=v2`).
+#[utoipa::path(get, path = "/v1/sandboxes", tag = "sandboxes",
+    params(("label" = Option<Vec<String>>, Query, description = "`key=value`; repeat to require several labels")),
+    responses(
+        (status = 200, description = "Sandboxes, oldest first", body = Vec<SandboxInfo>),
+        (status = 400, description = "A label filter is not key=value", body = ErrorBody)))]
+pub async fn list(
+    State(manager): State<Manager>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<Vec<SandboxInfo>>, ApiError> {
+    let mut labels = Vec::new();
+    for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        if key != "label" {
+            return Err(ApiError::invalid(format!(
+                "unknown query parameter {key:?}"
+            )));
+        }
+        let (k, v) = value
+            .split_once('=')
+            .ok_or_else(|| ApiError::invalid(format!("label filter {value:?} is not key=value")))?;
+        labels.push((k.to_owned(), v.to_owned()));
+    }
+    Ok(Json(manager.list(&labels)))
+}
+
+/// One sandbox.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox ID")),
+    responses(
+        (status = 200, description = "The sandbox", body = SandboxInfo),
+        (status = 404, description = "No such sandbox", body = ErrorBody)))]
+pub async fn get_one(
+    State(manager): State<Manager>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(manager.info(&id)?))
+}
+
+/// Destroys a sandbox: its VMM, cgroup, runtime files and record. Idempotent.
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox ID")),
+    responses(
+        (status = 204, description = "Gone (or never existed)"),
+        (status = 500, description = "Clean-up failed; the sandbox is kept as failed", body = ErrorBody)))]
+pub async fn delete(
+    State(manager): State<Manager>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    manager.destroy(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The last lines of the VMM's output, which includes the guest's serial console.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/logs", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox ID"),
+        ("lines" = Option<usize>, Query, description = "How many lines (default 200, at most 10000)")),
+    responses(
+        (status = 200, description = "Log text", body = String, content_type = "text/plain"),
+        (status = 400, description = "Bad `lines`", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody)))]
+pub async fn logs(
+    State(manager): State<Manager>,
+    Path(id): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Result<impl IntoResponse, ApiError> {
+    let mut lines = DEFAULT_LOG_LINES;
+    for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match (key.as_ref(), value.parse::<usize>()) {
+            ("lines", Ok(n)) if n <= MAX_LOG_LINES => lines = n,
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "expected lines=0..={MAX_LOG_LINES}"
+                )))
+            }
+        }
+    }
+    let mut text = manager.logs(&id, lines)?;
+    if !text.is_empty() {
+        text.push('\n');
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text))
+}

@@ -1,0 +1,119 @@
+//! `bulkhead-fake-vmm`: a stand-in for `bulkhead-vmm` for host-level tests of the daemon on
+//! machines whose KVM cannot boot a guest.
+//!
+//! `bulkhead-fake-vmm --config vm.json` reads the same VM configuration as `bulkhead-vmm`, prints
+//! a line as the guest's serial console would, binds the VM's vsock Unix socket, announces the
+//! agent's readiness on `<socket>_1025`, and serves Firecracker's hybrid handshake
+//! (`CONNECT 1024\n` → `OK <port>\n`) by handing each connection to the guest agent's own server,
+//! run in this process. Commands therefore run on the host, as the agent's test mode runs them.
+//! SIGTERM ends it, as it ends `bulkhead-vmm`.
+
+use std::io::{self, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::thread;
+
+use bulkhead_agent::conn::Conn;
+use bulkhead_agent::server::{self, ReadyTarget, ShutdownAction};
+use bulkhead_agent::{clock, reaper};
+use bulkhead_protocol::{Ready, AGENT_PORT, PROTOCOL_VERSION, READY_PORT};
+use bulkhead_vmm::config::VmConfig;
+
+/// Longest handshake line accepted, bytes.
+const MAX_LINE: usize = 64;
+
+fn main() -> ExitCode {
+    let started = clock::now();
+    match run(started) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("bulkhead-fake-vmm: error: {message}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
+    let config = config_path()?;
+    let vm = VmConfig::from_file(&config).map_err(|e| e.to_string())?;
+    let vsock = vm.vsock.ok_or("the VM has no vsock device")?;
+    // Commands the agent runs are our children; reap them (and their orphans) as PID 1 would.
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    reaper::start(false).map_err(|e| e.to_string())?;
+    println!(
+        "fake-vmm: booting {} vCPU(s), {} MiB (pid {})",
+        vm.vcpus,
+        vm.memory_mib,
+        std::process::id()
+    );
+    let _ = io::stdout().flush();
+    let listener = UnixListener::bind(&vsock.uds_path)
+        .map_err(|e| format!("bind {}: {e}", vsock.uds_path.display()))?;
+    let ready_path = PathBuf::from(format!("{}_{READY_PORT}", vsock.uds_path.display()));
+    let ready = Ready {
+        version: PROTOCOL_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        init_started: started,
+        listening: clock::now(),
+    };
+    if !server::announce_ready(&ReadyTarget::Unix(ready_path), &ready) {
+        return Err("cannot announce readiness".into());
+    }
+    println!("fake-vmm: agent ready");
+    let _ = io::stdout().flush();
+    for stream in listener.incoming() {
+        match stream {
+            Ok(stream) => {
+                thread::spawn(move || serve(stream));
+            }
+            Err(e) => eprintln!("bulkhead-fake-vmm: accept: {e}"),
+        }
+    }
+    Ok(())
+}
+
+fn config_path() -> Result<PathBuf, String> {
+    let mut args = std::env::args_os().skip(1);
+    match (args.next(), args.next()) {
+        (Some(flag), Some(path)) if flag == "--config" => Ok(PathBuf::from(path)),
+        _ => Err("usage: bulkhead-fake-vmm --config vm.json".into()),
+    }
+}
+
+/// Answers the hybrid handshake and hands the stream to the agent's request handler.
+fn serve(mut stream: UnixStream) {
+    let port = match read_connect(&mut stream) {
+        Ok(port) => port,
+        Err(e) => return eprintln!("bulkhead-fake-vmm: handshake: {e}"),
+    };
+    if port != AGENT_PORT {
+        return; // nothing listens there: close, as the real VMM does
+    }
+    if stream.write_all(b"OK 1073741824\n").is_err() {
+        return;
+    }
+    server::handle_connection(Conn::new(OwnedFd::from(stream)), ShutdownAction::Exit);
+}
+
+/// Reads `CONNECT <port>\n` one byte at a time (so no byte of the request is consumed).
+fn read_connect(stream: &mut UnixStream) -> io::Result<u32> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.len() < MAX_LINE {
+        if stream.read(&mut byte)? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if byte[0] == b'\n' {
+            let text = String::from_utf8_lossy(&line);
+            return text
+                .strip_prefix("CONNECT ")
+                .and_then(|p| p.trim().parse().ok())
+                .ok_or_else(|| io::Error::other(format!("bad handshake {text:?}")));
+        }
+        line.push(byte[0]);
+    }
+    Err(io::Error::other("handshake line too long"))
+}

@@ -1,0 +1,350 @@
+//! The daemon's configuration: a TOML file (every key optional, unknown keys rejected) overridden
+//! by command-line flags. Defaults are documented on each field and in `docs/daemon.md`.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cgroup::CgroupMode;
+
+/// Default API socket.
+pub const DEFAULT_SOCKET: &str = "/run/bulkhead/bulkheadd.sock";
+/// Default state directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/bulkhead";
+
+/// Errors of loading the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read the configuration file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this configuration.
+    #[error("invalid configuration file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, with its position.
+        message: String,
+    },
+    /// A value is out of range.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// What happens to running sandboxes when the daemon stops (SIGTERM/SIGINT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShutdownPolicy {
+    /// Destroy every sandbox (VMM, cgroup, files, state).
+    Destroy,
+    /// Leave them running, recorded in the state dir, for the next start to adopt.
+    Leave,
+}
+
+/// What a starting daemon does with sandboxes recorded by an earlier run whose VMM still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RestartPolicy {
+    /// Take them over: they keep running and serving.
+    Adopt,
+    /// Destroy them.
+    Destroy,
+}
+
+/// The daemon's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// API socket. Default `/run/bulkhead/bulkheadd.sock`. Ignored under socket activation.
+    pub socket: PathBuf,
+    /// Permission bits of the socket. Default `0o660`.
+    pub socket_mode: u32,
+    /// Group owning the socket (name or numeric gid); members may use the API. Default: the
+    /// daemon's group.
+    pub socket_group: Option<String>,
+    /// Where sandbox records live (`sandboxes/<id>.json`). Default `/var/lib/bulkhead`.
+    pub state_dir: PathBuf,
+    /// Parent of the VMs' runtime directories (`vms/<id>/`: vsock sockets, VM config, VMM log).
+    /// Default: the socket's directory.
+    pub runtime_dir: Option<PathBuf>,
+    /// The `bulkhead-vmm` binary. Default: `$BULKHEAD_VMM`, else next to `bulkheadd`, else `PATH`.
+    pub vmm_binary: PathBuf,
+    /// Default guest kernel. Default `$BULKHEAD_KERNEL` or `<data dir>/kernel/<arch>/vmlinux`.
+    pub kernel: PathBuf,
+    /// Default guest image (initramfs with the agent as `/init`). Default `$BULKHEAD_INITRD` or
+    /// `<data dir>/images/default/initramfs.cpio.gz`.
+    pub image: PathBuf,
+    /// Directory of named kernels (`kernel: "NAME"` → `<kernels_dir>/NAME`). Default: none.
+    pub kernels_dir: Option<PathBuf>,
+    /// Directory of named images (`image: "NAME"` → `<images_dir>/NAME/initramfs.cpio.gz`).
+    /// Default: none.
+    pub images_dir: Option<PathBuf>,
+    /// On SIGTERM: `destroy` (default) or `leave` the sandboxes.
+    pub on_shutdown: ShutdownPolicy,
+    /// On start, for sandboxes of an earlier run that still run: `adopt` (default) or `destroy`.
+    pub on_restart: RestartPolicy,
+    /// cgroup support: `auto` (default), `v1`, `v2` or `off`.
+    pub cgroups: CgroupMode,
+    /// Parent cgroup of the VMs' cgroups (`<parent>/vm-<id>`), relative to the hierarchy root.
+    /// Default: v2 — the daemon's own cgroup (it moves itself into `<own>/daemon`, as systemd's
+    /// `Delegate=yes` requires), or `bulkhead` when the daemon is in the root cgroup; v1 —
+    /// `bulkhead`.
+    pub cgroup_parent: Option<String>,
+    /// Memory the VMM process may use beyond guest RAM, MiB (its own heap, thread stacks,
+    /// vCPU and device state, KVM's accounted kernel memory, page cache of the files it reads).
+    /// Default 64.
+    pub vmm_memory_overhead_mib: u32,
+    /// `pids.max` of a VMM whose request sets none. Default 64.
+    pub default_pids_max: u32,
+    /// Most vCPUs per sandbox. Default 32.
+    pub max_vcpus: u8,
+    /// Most guest RAM per sandbox, MiB; the host's available memory also caps it. Default 65536.
+    pub max_memory_mib: u32,
+    /// Most sandboxes at once. Default 256.
+    pub max_sandboxes: usize,
+    /// Longest TTL a request may ask for, seconds; None: unlimited. Default: none.
+    pub max_ttl_s: Option<u64>,
+    /// How long a VM may take to boot until its agent is ready, seconds. Default 60.
+    pub boot_timeout_s: u64,
+    /// Largest file accepted by `PUT .../files`, bytes. Default 1 GiB.
+    pub max_file_bytes: u64,
+    /// Largest output (stdout + stderr) of `POST .../exec/collect`, bytes. Default 16 MiB.
+    pub max_collect_bytes: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            socket: PathBuf::from(DEFAULT_SOCKET),
+            socket_mode: 0o660,
+            socket_group: None,
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            runtime_dir: None,
+            vmm_binary: bulkhead_sandbox::paths::vmm_binary(),
+            kernel: bulkhead_sandbox::paths::default_kernel(),
+            image: bulkhead_sandbox::paths::default_initrd(),
+            kernels_dir: None,
+            images_dir: None,
+            on_shutdown: ShutdownPolicy::Destroy,
+            on_restart: RestartPolicy::Adopt,
+            cgroups: CgroupMode::Auto,
+            cgroup_parent: None,
+            vmm_memory_overhead_mib: 64,
+            default_pids_max: 64,
+            max_vcpus: 32,
+            max_memory_mib: 65536,
+            max_sandboxes: 256,
+            max_ttl_s: None,
+            boot_timeout_s: 60,
+            max_file_bytes: 1 << 30,
+            max_collect_bytes: 16 << 20,
+        }
+    }
+}
+
+/// Command-line overrides of the configuration file.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Overrides {
+    /// API socket [default: /run/bulkhead/bulkheadd.sock].
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// State directory [default: /var/lib/bulkhead].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Parent of the VMs' runtime directories [default: the socket's directory].
+    #[arg(long, value_name = "DIR")]
+    pub runtime_dir: Option<PathBuf>,
+    /// The bulkhead-vmm binary.
+    #[arg(long, value_name = "PATH")]
+    pub vmm: Option<PathBuf>,
+    /// Default guest kernel.
+    #[arg(long, value_name = "PATH")]
+    pub kernel: Option<PathBuf>,
+    /// Default guest image (initramfs).
+    #[arg(long, value_name = "PATH")]
+    pub image: Option<PathBuf>,
+    /// cgroup support: auto, v1, v2 or off.
+    #[arg(long, value_name = "MODE")]
+    pub cgroups: Option<CgroupMode>,
+    /// Parent cgroup of the VMs' cgroups.
+    #[arg(long, value_name = "PATH")]
+    pub cgroup_parent: Option<String>,
+    /// On SIGTERM: destroy or leave the sandboxes.
+    #[arg(long, value_name = "POLICY", value_parser = parse_shutdown)]
+    pub on_shutdown: Option<ShutdownPolicy>,
+    /// On start: adopt or destroy sandboxes of an earlier run.
+    #[arg(long, value_name = "POLICY", value_parser = parse_restart)]
+    pub on_restart: Option<RestartPolicy>,
+}
+
+fn parse_shutdown(s: &str) -> Result<ShutdownPolicy, String> {
+    match s {
+        "destroy" => Ok(ShutdownPolicy::Destroy),
+        "leave" => Ok(ShutdownPolicy::Leave),
+        _ => Err(format!("`{s}`: expected destroy or leave")),
+    }
+}
+
+fn parse_restart(s: &str) -> Result<RestartPolicy, String> {
+    match s {
+        "adopt" => Ok(RestartPolicy::Adopt),
+        "destroy" => Ok(RestartPolicy::Destroy),
+        _ => Err(format!("`{s}`: expected adopt or destroy")),
+    }
+}
+
+impl Config {
+    /// Reads `path` (TOML).
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`], [`ConfigError::Parse`] (including unknown keys).
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// The file at `path` (or the defaults) with `overrides` applied, validated.
+    ///
+    /// # Errors
+    /// As [`Config::from_file`], and [`ConfigError::Invalid`].
+    pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let mut config = match path {
+            Some(path) => Config::from_file(path)?,
+            None => Config::default(),
+        };
+        config.apply(overrides);
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn apply(&mut self, o: &Overrides) {
+        let set = |slot: &mut PathBuf, value: &Option<PathBuf>| {
+            if let Some(v) = value {
+                slot.clone_from(v);
+            }
+        };
+        set(&mut self.socket, &o.socket);
+        set(&mut self.state_dir, &o.state_dir);
+        set(&mut self.vmm_binary, &o.vmm);
+        set(&mut self.kernel, &o.kernel);
+        set(&mut self.image, &o.image);
+        if o.runtime_dir.is_some() {
+            self.runtime_dir.clone_from(&o.runtime_dir);
+        }
+        if let Some(mode) = o.cgroups {
+            self.cgroups = mode;
+        }
+        if o.cgroup_parent.is_some() {
+            self.cgroup_parent.clone_from(&o.cgroup_parent);
+        }
+        if let Some(p) = o.on_shutdown {
+            self.on_shutdown = p;
+        }
+        if let Some(p) = o.on_restart {
+            self.on_restart = p;
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: &str| Err(ConfigError::Invalid(m.to_owned()));
+        if self.socket_mode > 0o777 {
+            return invalid("socket_mode must be at most 0o777");
+        }
+        if self.max_vcpus == 0 || self.max_memory_mib < 16 || self.max_sandboxes == 0 {
+            return invalid("max_vcpus, max_memory_mib (≥ 16) and max_sandboxes must be positive");
+        }
+        if self.default_pids_max < 8 {
+            return invalid("default_pids_max must be at least 8 (the VMM needs a few threads)");
+        }
+        if self.boot_timeout_s == 0 {
+            return invalid("boot_timeout_s must be positive");
+        }
+        Ok(())
+    }
+
+    /// Parent of the VMs' runtime directories: `runtime_dir`, else the socket's directory.
+    pub fn vm_runtime_root(&self) -> PathBuf {
+        let base = match &self.runtime_dir {
+            Some(dir) => dir.clone(),
+            None => self
+                .socket
+                .parent()
+                .map(Path::to_owned)
+                .unwrap_or_else(|| PathBuf::from("/run/bulkhead")),
+        };
+        base.join("vms")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("bulkheadd.toml");
+        std::fs::write(
+            &file,
+            "socket = \"/a.sock\"\nsocket_mode = 0o600\non_shutdown = \"leave\"\n",
+        )
+        .unwrap();
+        let overrides = Overrides {
+            socket: Some("/b.sock".into()),
+            ..Overrides::default()
+        };
+
+        // Act
+        let config = Config::load(Some(&file), &overrides).unwrap();
+
+        // Assert
+        assert_eq!(config.socket, PathBuf::from("/b.sock"));
+        assert_eq!(config.socket_mode, 0o600);
+        assert_eq!(config.on_shutdown, ShutdownPolicy::Leave);
+        assert_eq!(config.vm_runtime_root(), PathBuf::from("/vms"));
+    }
+
+    #[test]
+    fn the_shipped_example_configuration_is_valid() {
+        // Arrange
+        let file =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../resources/systemd/bulkheadd.toml");
+
+        // Act
+        let config = Config::load(Some(&file), &Overrides::default()).unwrap();
+
+        // Assert
+        assert_eq!(config.socket_group.as_deref(), Some("bulkhead"));
+        assert_eq!(
+            config.vmm_memory_overhead_mib,
+            Config::default().vmm_memory_overhead_mib
+        );
+        assert_eq!(config.on_shutdown, ShutdownPolicy::Destroy);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_name() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("bulkheadd.toml");
+        std::fs::write(&file, "sokcet = \"/a.sock\"\n").unwrap();
+
+        // Act
+        let err = Config::load(Some(&file), &Overrides::default()).unwrap_err();
+
+        // Assert
+        assert!(err.to_string().contains("sokcet"), "{err}");
+    }
+}

@@ -1,0 +1,340 @@
+//! Creating, watching, expiring, destroying and letting go of one sandbox.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bulkhead_client::{CreateSandbox, Limits, SandboxInfo, SandboxState};
+use bulkhead_sandbox::{Sandbox, SandboxConfig};
+use bulkhead_vmm::config::SerialOutput;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+use super::plan::VmPlan;
+use super::{exit_reason, failure, info_of, procs, Entry, EntryInner, Manager, ManagerError};
+use crate::cgroup::{CgroupManager, CgroupSpec, VmCgroup};
+use crate::store::{Phase, Record, Store};
+use crate::util;
+
+impl Manager {
+    /// Registers a new sandbox (record first), boots it and reports it running.
+    pub(super) async fn create_vm(
+        &self,
+        spec: CreateSandbox,
+        plan: VmPlan,
+    ) -> Result<SandboxInfo, ManagerError> {
+        let started = Instant::now();
+        let entry = self.register(spec, &plan)?;
+        let _lifecycle = entry.lifecycle.lock().await;
+        let record = entry.lock().record.clone();
+        let config = self.sandbox_config(&record, &plan);
+        let cgroups = self.inner.cgroups.clone();
+        let limits = plan.limits;
+        let booted =
+            tokio::task::spawn_blocking(move || boot(&record, config, cgroups.as_ref(), &limits))
+                .await
+                .unwrap_or_else(|e| Err(format!("the boot task failed: {e}")));
+        let sandbox = match booted {
+            Ok(sandbox) => sandbox,
+            Err(message) => {
+                if let Err(e) = self.inner.store.remove(&entry.id) {
+                    tracing::error!(id = %entry.id, "{e}");
+                }
+                self.forget(&entry);
+                self.inner.metrics.create_failed();
+                return Err(ManagerError::StartFailed(message));
+            }
+        };
+        let info = self.mark_running(&entry, sandbox)?;
+        self.inner.metrics.created(started.elapsed().as_secs_f64());
+        tracing::info!(id = %entry.id, "sandbox running after {:?}", started.elapsed());
+        Ok(info)
+    }
+
+    /// Adds the entry in state `creating` and writes its record, before any resource exists.
+    fn register(&self, spec: CreateSandbox, plan: &VmPlan) -> Result<Arc<Entry>, ManagerError> {
+        let id =
+            util::new_id().map_err(|e| ManagerError::Internal(format!("no sandbox id: {e}")))?;
+        let now = util::now_ms();
+        let cgroup = self.inner.cgroups.as_ref().map(|c| c.spec_for(&id));
+        let record = Record {
+            id: id.clone(),
+            created_at_ms: now,
+            expires_at_ms: spec
+                .ttl_s
+                .map(|s| now.saturating_add(s.saturating_mul(1000))),
+            phase: Phase::Creating,
+            runtime_parent: self.inner.config.vm_runtime_root().join(&id),
+            limits: Limits {
+                memory_bytes: plan.limits.memory_bytes,
+                cpu_quota: plan.limits.cpu_quota,
+                pids_max: plan.limits.pids_max,
+                cgroup: cgroup.as_ref().map(|c| c.path.clone()),
+            },
+            cgroup,
+            spec,
+            sandbox: None,
+            failure: None,
+        };
+        let mut entries = self.entries();
+        if entries.len() >= self.inner.config.max_sandboxes {
+            return Err(ManagerError::TooMany(self.inner.config.max_sandboxes));
+        }
+        self.inner
+            .store
+            .save(&record)
+            .map_err(|e| ManagerError::Internal(e.to_string()))?;
+        let entry = Arc::new(Entry {
+            id: id.clone(),
+            lifecycle: tokio::sync::Mutex::new(()),
+            inner: std::sync::Mutex::new(EntryInner {
+                state: SandboxState::Creating,
+                record,
+                sandbox: None,
+                removed: false,
+            }),
+        });
+        entries.insert(id, entry.clone());
+        Ok(entry)
+    }
+
+    fn sandbox_config(&self, record: &Record, plan: &VmPlan) -> SandboxConfig {
+        let config = &self.inner.config;
+        SandboxConfig {
+            kernel: plan.kernel.clone(),
+            initrd: plan.initrd.clone(),
+            vcpus: record.spec.vcpus,
+            memory_mib: record.spec.memory_mib,
+            extra_cmdline: vec![format!("bulkhead.hostname=bh-{}", record.id)],
+            // The serial console goes to the VMM's stdout, i.e. into vmm.log with its messages.
+            console: SerialOutput::Stdout,
+            vmm_binary: config.vmm_binary.clone(),
+            runtime_dir: record.runtime_parent.clone(),
+            ready_timeout: Duration::from_secs(config.boot_timeout_s),
+            // VMs outlive the daemon (restarts adopt them).
+            kill_on_parent_exit: false,
+            cgroup_procs: Vec::new(),
+        }
+    }
+
+    /// Running: keep the VM, persist what adoption needs, watch the VMM and the TTL.
+    fn mark_running(
+        &self,
+        entry: &Arc<Entry>,
+        sandbox: Sandbox,
+    ) -> Result<SandboxInfo, ManagerError> {
+        let state = sandbox
+            .state()
+            .map_err(|e| ManagerError::Internal(e.to_string()))?;
+        let pidfd = sandbox
+            .vmm_pidfd()
+            .map_err(|e| ManagerError::Internal(e.to_string()))?;
+        let (info, record) = {
+            let mut inner = entry.lock();
+            inner.record.phase = Phase::Running;
+            inner.record.sandbox = Some(state);
+            inner.state = SandboxState::Running;
+            inner.sandbox = Some(sandbox);
+            (info_of(&inner), inner.record.clone())
+        };
+        if let Err(e) = self.inner.store.save(&record) {
+            tracing::error!(id = %entry.id, "cannot record the running sandbox: {e}");
+        }
+        self.watch(entry.clone(), Some(pidfd), record.expires_at_ms);
+        Ok(info)
+    }
+
+    /// Starts the VMM-exit watcher and, with a TTL, the expiry timer.
+    pub(super) fn watch(
+        &self,
+        entry: Arc<Entry>,
+        pidfd: Option<std::os::fd::OwnedFd>,
+        expires_at_ms: Option<u64>,
+    ) {
+        if let Some(deadline) = expires_at_ms {
+            let this = self.clone();
+            let id = entry.id.clone();
+            tokio::spawn(async move {
+                let wait = deadline.saturating_sub(util::now_ms());
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                tracing::info!(id = %id, "TTL expired: destroying the sandbox");
+                if let Err(e) = this.destroy(&id).await {
+                    tracing::error!(id = %id, "TTL destroy: {e}");
+                }
+            });
+        }
+        let Some(pidfd) = pidfd else {
+            return;
+        };
+        let this = self.clone();
+        tokio::spawn(async move {
+            // SAFETY: the AsyncFd owns the OwnedFd, which stays open on the same pidfd until the
+            // AsyncFd is dropped; OwnedFd::as_raw_fd always returns that descriptor.
+            let registered = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) };
+            match registered {
+                Ok(fd) => {
+                    let _ = fd.readable().await;
+                    this.vm_ended(&entry).await;
+                }
+                Err(e) => tracing::error!(id = %entry.id, "cannot watch the VMM: {e}"),
+            }
+        });
+    }
+
+    /// The VMM exited: unless that was a destroy, the sandbox becomes `failed`.
+    async fn vm_ended(&self, entry: &Arc<Entry>) {
+        let _lifecycle = entry.lifecycle.lock().await;
+        let record = {
+            let mut inner = entry.lock();
+            if inner.removed || inner.state != SandboxState::Running {
+                return;
+            }
+            let exit = match inner.sandbox.as_mut().map(Sandbox::try_wait_exit) {
+                Some(Ok(Some(exit))) => exit,
+                _ => return,
+            };
+            let reason = exit_reason(exit);
+            let runtime_dir = inner.record.sandbox.as_ref().map(|s| s.runtime_dir.clone());
+            let fail = failure(
+                reason,
+                format!("the VMM ended: {exit}"),
+                runtime_dir.as_deref(),
+            );
+            tracing::warn!(id = %entry.id, "VM ended ({reason}): {}", fail.message);
+            self.inner.metrics.vm_exit(reason);
+            // The runtime dir (with vmm.log) stays until DELETE, which removes it by path.
+            let _ = inner.sandbox.take().map(Sandbox::release);
+            inner.state = SandboxState::Failed;
+            inner.record.phase = Phase::Failed;
+            inner.record.failure = Some(fail);
+            inner.record.clone()
+        };
+        if let Err(e) = self.inner.store.save(&record) {
+            tracing::error!(id = %entry.id, "cannot record the failure: {e}");
+        }
+    }
+
+    /// Destroys one entry (see [`Manager::destroy`]).
+    pub(super) async fn destroy_entry(&self, entry: Arc<Entry>) -> Result<(), ManagerError> {
+        let _lifecycle = entry.lifecycle.lock().await;
+        let (sandbox, record, was) = {
+            let mut inner = entry.lock();
+            if inner.removed {
+                return Ok(());
+            }
+            let was = inner.state;
+            inner.state = SandboxState::Destroying;
+            (inner.sandbox.take(), inner.record.clone(), was)
+        };
+        let this = self.clone();
+        let result =
+            tokio::task::spawn_blocking(move || teardown(sandbox, &record, &this.inner.store))
+                .await
+                .unwrap_or_else(|e| Err(format!("the teardown task failed: {e}")));
+        match result {
+            Ok(()) => {
+                if was == SandboxState::Running {
+                    self.inner.metrics.vm_exit("destroyed");
+                }
+                self.forget(&entry);
+                tracing::info!(id = %entry.id, "sandbox destroyed");
+                Ok(())
+            }
+            Err(message) => {
+                let mut inner = entry.lock();
+                inner.state = SandboxState::Failed;
+                inner.record.failure = Some(failure("destroy_failed", message.clone(), None));
+                Err(ManagerError::Internal(format!(
+                    "destroying {}: {message}",
+                    entry.id
+                )))
+            }
+        }
+    }
+
+    /// Shutdown with `leave`: lets go of the VM; its record (phase `running`) stays.
+    pub(super) async fn leave(&self, entry: &Arc<Entry>) {
+        let _lifecycle = entry.lifecycle.lock().await;
+        let sandbox = {
+            let mut inner = entry.lock();
+            inner.removed = true;
+            inner.sandbox.take()
+        };
+        if let Some(sandbox) = sandbox {
+            match sandbox.detach() {
+                Ok(state) => {
+                    tracing::info!(id = %entry.id, "left running (VMM pid {})", state.vmm_pid)
+                }
+                Err(e) => tracing::warn!(id = %entry.id, "{e}"),
+            }
+        }
+    }
+
+    /// Takes the entry out of the registry; its record is gone already (or never mattered).
+    fn forget(&self, entry: &Arc<Entry>) {
+        entry.lock().removed = true;
+        self.entries().remove(&entry.id);
+    }
+}
+
+/// Blocking: creates the cgroup and boots the VM in it. On failure everything made is removed,
+/// the record included.
+fn boot(
+    record: &Record,
+    mut config: SandboxConfig,
+    cgroups: Option<&CgroupManager>,
+    limits: &crate::cgroup::VmLimits,
+) -> Result<Sandbox, String> {
+    let result = (|| {
+        if let (Some(manager), Some(spec)) = (cgroups, &record.cgroup) {
+            let cgroup = manager.create(spec, limits).map_err(|e| e.to_string())?;
+            config.cgroup_procs = cgroup.procs_files();
+        }
+        Sandbox::start(&config).map_err(|e| e.to_string())
+    })();
+    if result.is_err() {
+        cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());
+    }
+    result
+}
+
+/// Blocking: stops the VM and removes its cgroup, runtime files and record, in that order.
+pub(super) fn teardown(
+    sandbox: Option<Sandbox>,
+    record: &Record,
+    store: &Store,
+) -> Result<(), String> {
+    if let Some(sandbox) = sandbox {
+        if let Err(e) = sandbox.destroy() {
+            tracing::warn!(id = %record.id, "stopping the VMM: {e}");
+        }
+    }
+    procs::kill_processes_under(&record.runtime_parent);
+    if let Some(spec) = &record.cgroup {
+        VmCgroup::load(spec).remove().map_err(|e| e.to_string())?;
+    }
+    remove_dir(&record.runtime_parent)?;
+    store.remove(&record.id).map_err(|e| e.to_string())
+}
+
+/// Kills what runs from `runtime_parent`, removes the cgroup and the directory; logs failures.
+pub(super) fn cleanup_files_and_cgroup(runtime_parent: &Path, cgroup: Option<&CgroupSpec>) {
+    procs::kill_processes_under(runtime_parent);
+    if let Some(spec) = cgroup {
+        if let Err(e) = VmCgroup::load(spec).remove() {
+            tracing::error!("{e}");
+        }
+    }
+    if let Err(e) = remove_dir(runtime_parent) {
+        tracing::error!("{e}");
+    }
+}
+
+fn remove_dir(dir: &Path) -> Result<(), String> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(format!("cannot remove {}: {e}", dir.display()))
+        }
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,359 @@
+//! The sandbox manager: the registry of sandboxes and their lifecycle.
+//!
+//! ```text
+//!   create ──▶ creating ──agent ready──▶ running ──VMM exits by itself──▶ failed
+//!                 │ boot fails: nothing kept        │ DELETE / TTL / shutdown      │ DELETE / TTL
+//!                 ▼                                 ▼                              ▼
+//!              (error)                          destroying ──▶ gone (VMM, cgroup, files, record)
+//! ```
+//!
+//! Each sandbox's record is written before any of its resources exist and removed after they
+//! are all gone, so a daemon killed at any moment leaves a record that names everything to adopt
+//! or clean up ([`recover`]). Creation and destruction of one sandbox are serialized by its
+//! lifecycle lock; blocking work (booting, stopping, file and cgroup operations) runs on tokio's
+//! blocking pool.
+
+mod lifecycle;
+pub mod plan;
+pub mod procs;
+mod recover;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bulkhead_client::{CreateSandbox, Failure, SandboxInfo, SandboxState};
+use bulkhead_protocol::client::AgentClient;
+use bulkhead_sandbox::Sandbox;
+
+use crate::cgroup::CgroupManager;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::store::{Record, Store};
+use crate::util;
+
+/// Errors of sandbox management, each with an HTTP status in the API.
+#[derive(Debug, thiserror::Error)]
+pub enum ManagerError {
+    /// No such sandbox (404).
+    #[error("no sandbox {0}")]
+    NotFound(String),
+    /// The request is invalid (400).
+    #[error("{0}")]
+    Invalid(String),
+    /// The host lacks the memory asked for (422).
+    #[error("{0}")]
+    InsufficientMemory(String),
+    /// The sandbox limit is reached (429).
+    #[error("the daemon already holds its maximum of {0} sandboxes")]
+    TooMany(usize),
+    /// The sandbox is not in a state that allows this (409).
+    #[error("sandbox {id} is {state}")]
+    Conflict {
+        /// The sandbox.
+        id: String,
+        /// Its state.
+        state: &'static str,
+    },
+    /// The daemon is stopping (503).
+    #[error("the daemon is shutting down")]
+    ShuttingDown,
+    /// The VM could not be started (500); nothing was kept.
+    #[error("the sandbox could not start: {0}")]
+    StartFailed(String),
+    /// Anything else (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// One sandbox.
+#[derive(Debug)]
+struct Entry {
+    id: String,
+    /// Held by create and destroy, so they never interleave.
+    lifecycle: tokio::sync::Mutex<()>,
+    inner: Mutex<EntryInner>,
+}
+
+#[derive(Debug)]
+struct EntryInner {
+    state: SandboxState,
+    record: Record,
+    /// The VM while running; kept after a failure until destroyed.
+    sandbox: Option<Sandbox>,
+    /// Destroyed and out of the registry.
+    removed: bool,
+}
+
+impl Entry {
+    fn lock(&self) -> MutexGuard<'_, EntryInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: Arc<Config>,
+    cgroups: Option<CgroupManager>,
+    store: Store,
+    metrics: Metrics,
+    entries: Mutex<HashMap<String, Arc<Entry>>>,
+    shutting_down: AtomicBool,
+}
+
+/// The sandbox manager. Cheap to clone (shared state).
+#[derive(Debug, Clone)]
+pub struct Manager {
+    inner: Arc<Inner>,
+}
+
+/// What exec and file requests need from a running sandbox.
+#[derive(Debug, Clone)]
+pub struct AgentHandle {
+    /// A client for its guest agent.
+    pub client: AgentClient,
+    /// The sandbox's environment.
+    pub env: BTreeMap<String, String>,
+}
+
+impl Manager {
+    /// Opens the state dir, sets up cgroups and adopts or cleans up the sandboxes of an earlier
+    /// run (per [`Config::on_restart`]).
+    ///
+    /// # Errors
+    /// A message when the state dir is locked or unusable, or cgroups explicitly asked for
+    /// cannot be set up.
+    pub async fn start(config: Arc<Config>, metrics: Metrics) -> Result<Manager, String> {
+        let store = Store::open(&config.state_dir).map_err(|e| e.to_string())?;
+        let cgroups = CgroupManager::init(config.cgroups, config.cgroup_parent.as_deref())
+            .map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(config.vm_runtime_root())
+            .map_err(|e| format!("cannot create {}: {e}", config.vm_runtime_root().display()))?;
+        let manager = Manager {
+            inner: Arc::new(Inner {
+                config,
+                cgroups,
+                store,
+                metrics,
+                entries: Mutex::new(HashMap::new()),
+                shutting_down: AtomicBool::new(false),
+            }),
+        };
+        manager.recover().await;
+        Ok(manager)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// cgroup manager, when cgroups are on.
+    pub fn cgroups(&self) -> Option<&CgroupManager> {
+        self.inner.cgroups.as_ref()
+    }
+
+    fn entries(&self) -> MutexGuard<'_, HashMap<String, Arc<Entry>>> {
+        self.inner.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn entry(&self, id: &str) -> Option<Arc<Entry>> {
+        self.entries().get(id).cloned()
+    }
+
+    fn all_entries(&self) -> Vec<Arc<Entry>> {
+        self.entries().values().cloned().collect()
+    }
+
+    /// The sandbox `id`.
+    ///
+    /// # Errors
+    /// [`ManagerError::NotFound`].
+    pub fn info(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
+        let entry = self
+            .entry(id)
+            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))?;
+        let inner = entry.lock();
+        Ok(info_of(&inner))
+    }
+
+    /// Every sandbox carrying all `labels`, oldest first.
+    pub fn list(&self, labels: &[(String, String)]) -> Vec<SandboxInfo> {
+        let mut out: Vec<SandboxInfo> = self
+            .all_entries()
+            .iter()
+            .map(|e| info_of(&e.lock()))
+            .filter(|info| labels.iter().all(|(k, v)| info.labels.get(k) == Some(v)))
+            .collect();
+        out.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        out
+    }
+
+    /// How many sandboxes are in each state.
+    pub fn counts(&self) -> Vec<(SandboxState, usize)> {
+        let mut counts: Vec<(SandboxState, usize)> =
+            SandboxState::ALL.iter().map(|s| (*s, 0)).collect();
+        for entry in self.all_entries() {
+            let state = entry.lock().state;
+            if let Some(slot) = counts.iter_mut().find(|(s, _)| *s == state) {
+                slot.1 += 1;
+            }
+        }
+        counts
+    }
+
+    /// A client for the agent of running sandbox `id`, with the sandbox's environment.
+    ///
+    /// # Errors
+    /// [`ManagerError::NotFound`], [`ManagerError::Conflict`] when it is not running.
+    pub fn agent(&self, id: &str) -> Result<AgentHandle, ManagerError> {
+        let entry = self
+            .entry(id)
+            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))?;
+        let inner = entry.lock();
+        match (&inner.state, &inner.sandbox) {
+            (SandboxState::Running, Some(sandbox)) => Ok(AgentHandle {
+                client: sandbox.client(),
+                env: inner.record.spec.env.clone(),
+            }),
+            (state, _) => Err(ManagerError::Conflict {
+                id: id.to_owned(),
+                state: state.as_str(),
+            }),
+        }
+    }
+
+    /// The last `lines` lines of sandbox `id`'s VMM output and serial console.
+    ///
+    /// # Errors
+    /// [`ManagerError::NotFound`].
+    pub fn logs(&self, id: &str, lines: usize) -> Result<String, ManagerError> {
+        let entry = self
+            .entry(id)
+            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))?;
+        let runtime_dir = entry
+            .lock()
+            .record
+            .sandbox
+            .as_ref()
+            .map(|s| s.runtime_dir.clone());
+        Ok(runtime_dir
+            .map(|dir| util::tail_lines(&dir.join("vmm.log"), lines))
+            .unwrap_or_default())
+    }
+
+    /// Boots a sandbox; returns once its agent is ready.
+    ///
+    /// # Errors
+    /// [`ManagerError::Invalid`], [`ManagerError::InsufficientMemory`],
+    /// [`ManagerError::TooMany`], [`ManagerError::ShuttingDown`], [`ManagerError::StartFailed`].
+    pub async fn create(&self, spec: CreateSandbox) -> Result<SandboxInfo, ManagerError> {
+        if self.inner.shutting_down.load(Ordering::SeqCst) {
+            return Err(ManagerError::ShuttingDown);
+        }
+        let plan = plan::plan(&self.inner.config, &spec, plan::host_available_mib())?;
+        let this = self.clone();
+        // Run to the end even when the client goes away, so nothing is left half made.
+        tokio::spawn(async move { this.create_vm(spec, plan).await })
+            .await
+            .map_err(|e| ManagerError::Internal(format!("the create task failed: {e}")))?
+    }
+
+    /// Destroys sandbox `id` (VMM, cgroup, runtime files, record). Idempotent: an unknown or
+    /// already destroyed sandbox is not an error.
+    ///
+    /// # Errors
+    /// [`ManagerError::Internal`] when clean-up failed (the sandbox is then kept as failed, and
+    /// its record stays for a later retry).
+    pub async fn destroy(&self, id: &str) -> Result<(), ManagerError> {
+        let Some(entry) = self.entry(id) else {
+            return Ok(());
+        };
+        let this = self.clone();
+        tokio::spawn(async move { this.destroy_entry(entry).await })
+            .await
+            .map_err(|e| ManagerError::Internal(format!("the destroy task failed: {e}")))?
+    }
+
+    /// Stops taking new sandboxes and, per [`Config::on_shutdown`], destroys every sandbox or
+    /// lets go of them (they keep running, recorded for the next start).
+    pub async fn shutdown(&self) {
+        self.inner.shutting_down.store(true, Ordering::SeqCst);
+        let entries = self.all_entries();
+        match self.inner.config.on_shutdown {
+            crate::config::ShutdownPolicy::Destroy => {
+                let tasks: Vec<_> = entries
+                    .into_iter()
+                    .map(|e| {
+                        let this = self.clone();
+                        tokio::spawn(async move { this.destroy_entry(e).await })
+                    })
+                    .collect();
+                for task in tasks {
+                    if let Ok(Err(e)) = task.await {
+                        tracing::error!("shutdown: {e}");
+                    }
+                }
+            }
+            crate::config::ShutdownPolicy::Leave => {
+                for entry in entries {
+                    self.leave(&entry).await;
+                }
+            }
+        }
+    }
+}
+
+/// The API view of a sandbox.
+fn info_of(inner: &EntryInner) -> SandboxInfo {
+    let r = &inner.record;
+    let vmm_pid = match inner.state {
+        SandboxState::Running => r.sandbox.as_ref().map(|s| s.vmm_pid),
+        _ => None,
+    };
+    SandboxInfo {
+        id: r.id.clone(),
+        state: inner.state,
+        created_at: util::rfc3339(r.created_at_ms),
+        expires_at: r.expires_at_ms.map(util::rfc3339),
+        vcpus: r.spec.vcpus,
+        memory_mib: r.spec.memory_mib,
+        kernel: r.spec.kernel.clone(),
+        image: r.spec.image.clone(),
+        labels: r.spec.labels.clone(),
+        limits: r.limits.clone(),
+        vmm_pid,
+        failure: r.failure.clone(),
+    }
+}
+
+/// The `reason` of a VMM that ended by itself, from its exit status (`bulkhead-vmm`: 0 guest
+/// reboot/power-off, 3 guest crash or fatal VM error, other codes VMM errors).
+fn exit_reason(exit: bulkhead_sandbox::VmmExit) -> &'static str {
+    use bulkhead_sandbox::VmmExit;
+    match exit {
+        VmmExit::Code(0) => "guest_shutdown",
+        VmmExit::Code(3) => "guest_crash",
+        VmmExit::Code(_) => "vmm_error",
+        VmmExit::Signal(_) => "killed",
+        VmmExit::Unknown => "vanished",
+    }
+}
+
+/// Lines of VMM output kept in a failure.
+const FAILURE_LOG_LINES: usize = 30;
+
+fn failure(reason: &str, message: String, runtime_dir: Option<&std::path::Path>) -> Failure {
+    Failure {
+        reason: reason.to_owned(),
+        message,
+        log_tail: runtime_dir
+            .map(|d| util::tail_lines(&d.join("vmm.log"), FAILURE_LOG_LINES))
+            .unwrap_or_default(),
+    }
+}

@@ -1,0 +1,159 @@
+//! Start-up recovery: every sandbox recorded by an earlier run is adopted (its VMM still runs
+//! and the policy is `adopt`), kept as `failed` (its VMM died meanwhile; the logs stay until it
+//! is deleted) or destroyed (half-created, or the policy is `destroy`). Then runtime directories
+//! and cgroups that no record names (left by a daemon killed before it wrote one) are removed
+//! with whatever still runs in them.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use bulkhead_client::SandboxState;
+use bulkhead_sandbox::Sandbox;
+
+use super::lifecycle::{cleanup_files_and_cgroup, teardown};
+use super::{failure, procs, Entry, EntryInner, Manager};
+use crate::cgroup::VmCgroup;
+use crate::config::RestartPolicy;
+use crate::store::{Phase, Record};
+
+/// A recovered sandbox: running (with its adopted VM) or failed.
+type Recovered = (Record, Option<Sandbox>);
+
+impl Manager {
+    /// Recovers the previous run's sandboxes into the registry.
+    pub(super) async fn recover(&self) {
+        let this = self.clone();
+        let recovered = tokio::task::spawn_blocking(move || this.recover_blocking())
+            .await
+            .unwrap_or_else(|e| {
+                tracing::error!("recovery failed: {e}");
+                Vec::new()
+            });
+        for (record, sandbox) in recovered {
+            self.install(record, sandbox);
+        }
+    }
+
+    fn recover_blocking(&self) -> Vec<Recovered> {
+        let records = self.inner.store.load_all();
+        let known: HashSet<String> = records.iter().map(|r| r.id.clone()).collect();
+        let recovered: Vec<Recovered> = records
+            .into_iter()
+            .filter_map(|record| self.recover_one(record))
+            .collect();
+        self.sweep_strays(&known);
+        recovered
+    }
+
+    fn recover_one(&self, mut record: Record) -> Option<Recovered> {
+        let store = &self.inner.store;
+        match record.phase {
+            Phase::Creating => {
+                tracing::info!(id = %record.id, "removing a sandbox that was being created");
+                cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());
+                log_err(store.remove(&record.id));
+                None
+            }
+            Phase::Failed => Some((record, None)),
+            Phase::Running => {
+                let adopted = record.sandbox.as_ref().map(Sandbox::adopt);
+                match (self.inner.config.on_restart, adopted) {
+                    (RestartPolicy::Adopt, Some(Ok(sandbox))) => {
+                        tracing::info!(id = %record.id, "adopted the running sandbox");
+                        Some((record, Some(sandbox)))
+                    }
+                    (RestartPolicy::Adopt, adopted) => {
+                        let why = match adopted {
+                            Some(Err(e)) => e.to_string(),
+                            _ => "no VMM recorded".to_owned(),
+                        };
+                        self.mark_vanished(&mut record, why);
+                        Some((record, None))
+                    }
+                    (RestartPolicy::Destroy, adopted) => {
+                        tracing::info!(id = %record.id, "destroying a sandbox of the previous run");
+                        let sandbox = adopted.and_then(Result::ok);
+                        if let Err(e) = teardown(sandbox, &record, &self.inner.store) {
+                            tracing::error!(id = %record.id, "{e}");
+                        }
+                        None
+                    }
+                }
+            }
+        }
+    }
+
+    /// The VMM died while no daemon watched: keep the sandbox as failed with its logs, but
+    /// nothing that runs.
+    fn mark_vanished(&self, record: &mut Record, why: String) {
+        tracing::warn!(id = %record.id, "the VM ended while the daemon was down: {why}");
+        procs::kill_processes_under(&record.runtime_parent);
+        if let Some(spec) = &record.cgroup {
+            if let Err(e) = VmCgroup::load(spec).remove() {
+                tracing::error!(id = %record.id, "{e}");
+            }
+        }
+        let runtime_dir = record.sandbox.as_ref().map(|s| s.runtime_dir.clone());
+        record.phase = Phase::Failed;
+        record.failure = Some(failure(
+            "vanished",
+            format!("the VM ended while the daemon was not running ({why})"),
+            runtime_dir.as_deref(),
+        ));
+        self.inner.metrics.vm_exit("vanished");
+        log_err(self.inner.store.save(record));
+    }
+
+    /// Removes runtime directories and cgroups of sandboxes that have no record.
+    fn sweep_strays(&self, known: &HashSet<String>) {
+        let root = self.inner.config.vm_runtime_root();
+        if let Ok(dirs) = std::fs::read_dir(&root) {
+            for dir in dirs.flatten() {
+                let name = dir.file_name().to_string_lossy().into_owned();
+                if !known.contains(&name) {
+                    tracing::warn!("removing stray runtime directory {}", dir.path().display());
+                    cleanup_files_and_cgroup(&dir.path(), None);
+                }
+            }
+        }
+        let Some(cgroups) = &self.inner.cgroups else {
+            return;
+        };
+        for id in cgroups.list_ids() {
+            if !known.contains(&id) {
+                tracing::warn!("removing stray cgroup of {id}");
+                if let Err(e) = VmCgroup::load(&cgroups.spec_for(&id)).remove() {
+                    tracing::error!("{e}");
+                }
+            }
+        }
+    }
+
+    /// Puts a recovered sandbox in the registry and watches it.
+    fn install(&self, record: Record, sandbox: Option<Sandbox>) {
+        let pidfd = sandbox.as_ref().and_then(|s| s.vmm_pidfd().ok());
+        let state = match pidfd {
+            Some(_) => SandboxState::Running,
+            None => SandboxState::Failed,
+        };
+        let expires = record.expires_at_ms;
+        let entry = Arc::new(Entry {
+            id: record.id.clone(),
+            lifecycle: tokio::sync::Mutex::new(()),
+            inner: std::sync::Mutex::new(EntryInner {
+                state,
+                record,
+                sandbox,
+                removed: false,
+            }),
+        });
+        self.entries().insert(entry.id.clone(), entry.clone());
+        self.watch(entry, pidfd, expires);
+    }
+}
+
+fn log_err(result: Result<(), crate::store::StoreError>) {
+    if let Err(e) = result {
+        tracing::error!("{e}");
+    }
+}
