@@ -3,6 +3,9 @@
 //! down) over vsock, one request per connection. The wire format is in
 //! `bulkhead-protocol` and `docs/agent-protocol.md`.
 //!
+//! With `bulkhead.root=/dev/vdX` on the kernel command line it first moves itself into an
+//! overlay root built on that read-only image ([`rootfs`]).
+//!
 //! The same server runs on the host in test mode (`--listen-unix PATH`), without the PID-1
 //! duties, so everything but the vsock transport is testable without a VM.
 
@@ -15,6 +18,7 @@ pub mod files;
 pub mod init;
 pub mod log;
 pub mod reaper;
+pub mod rootfs;
 pub mod server;
 pub mod spawn;
 pub mod user;

@@ -1,7 +1,8 @@
 //! `bulkhead-agent` binary.
 //!
 //! - As PID 1 (no arguments needed; arguments the kernel passes are ignored): prepare the
-//!   guest, listen on vsock port 1024, announce readiness to the host, serve forever.
+//!   guest, switch into the image root when `bulkhead.root=` asks for one, listen on vsock
+//!   port 1024, announce readiness to the host, serve forever.
 //! - `bulkhead-agent --listen-unix PATH [--ready-unix PATH]`: serve the same protocol on a
 //!   Unix socket, without PID-1 duties (test mode).
 
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
-use bulkhead_agent::{clock, init, log, reaper, vsock};
+use bulkhead_agent::{clock, init, log, reaper, rootfs, vsock};
 use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
 
 const USAGE: &str =
@@ -62,6 +63,12 @@ fn ready_message(init_started: BootTimestamps) -> Ready {
 
 fn run_pid1(started: BootTimestamps) -> ! {
     init::setup();
+    if let Err(e) = rootfs::enter_from_cmdline() {
+        // No root, no sandbox: end the VM before announcing readiness (see `rootfs`).
+        log!("root filesystem: {e}; rebooting");
+        init::debug_port_write(format!("bulkhead-agent: root filesystem: {e}\n").as_bytes());
+        init::reboot();
+    }
     if let Err(e) = reaper::start(true) {
         log!("{e}; rebooting");
         init::reboot();
