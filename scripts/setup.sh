@@ -54,7 +54,7 @@ scripts/build-initramfs.sh --busybox \
 
 BIN="$HOME/.local/bin"
 mkdir -p "$BIN"
-for b in bulkhead bulkhead-vmm bulkhead-testhost; do
+for b in bulkhead bulkhead-vmm bulkheadd bulkhead-testhost; do
     ln -sf "$ROOT/target/release/$b" "$BIN/$b"
 done
 log "binaries linked into $BIN (add it to PATH)"

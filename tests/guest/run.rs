@@ -184,9 +184,18 @@ guest_test!(
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         let status = child.wait().unwrap();
         let mut stderr = String::new();
-        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
 
-        assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}: {stderr}");
+        assert_eq!(
+            status.code(),
+            Some(128 + libc::SIGTERM),
+            "{status}: {stderr}"
+        );
         let left: Vec<_> = std::fs::read_dir(runtime.path()).unwrap().collect();
         assert!(left.is_empty(), "runtime files left: {left:?}");
     }

@@ -17,10 +17,12 @@
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bulkhead_testhost::{TcgThreads, TestHost, TestHostConfig};
+use bulkhead_testhost::{
+    CommandOutput, Error as TestHostError, TcgThreads, TestHost, TestHostConfig,
+};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
 mod artifacts;
@@ -60,8 +62,7 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
         body();
         return None;
     }
-    let out = test_host()
-        .run(&inner_script(args), INNER_TIMEOUT)
+    let out = run_in_test_host(&inner_script(args))
         .unwrap_or_else(|e| panic!("running {args:?} in the test host failed: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
@@ -109,25 +110,61 @@ fn inner_script(args: &[&str]) -> String {
     )
 }
 
-fn test_host() -> &'static TestHost {
-    static HOST: OnceLock<TestHost> = OnceLock::new();
-    HOST.get_or_init(|| {
-        let a = artifacts();
-        let config = TestHostConfig {
-            // Multi-threaded TCG: with one TCG thread, about 1 in 7 nested guest boots stalled
-            // before init (measured here); the rare test-host boot livelock of MTTCG is covered
-            // by the test host's boot retry.
-            tcg_threads: TcgThreads::Multi,
-            shares: vec![target_dir(), artifacts::data_home().join("bulkhead")],
-            extra_libs_for: vec![
-                env::current_exe().expect("test exe"),
-                a.vmm.clone(),
-                a.cli.clone(),
-            ],
-            ..TestHostConfig::default()
-        };
-        TestHost::start(config).unwrap_or_else(|e| panic!("cannot start the nested test host: {e}"))
-    })
+/// Runs `script` in the shared test host. When the test host itself dies under the command (its
+/// kernel panicked, QEMU exited, the control channel broke), which says nothing about the test,
+/// the command runs once more in a freshly booted test host; the first failure is printed.
+fn run_in_test_host(script: &str) -> Result<CommandOutput, TestHostError> {
+    let host = test_host(None);
+    match host.run(script, INNER_TIMEOUT) {
+        Err(e) if host_died(&e) => {
+            eprintln!("the test host died ({e}); retrying in a new one");
+            test_host(Some(&host)).run(script, INNER_TIMEOUT)
+        }
+        result => result,
+    }
+}
+
+/// Whether `e` means the test host is gone (rather than the command failing).
+fn host_died(e: &TestHostError) -> bool {
+    matches!(
+        e,
+        TestHostError::QemuExited { .. }
+            | TestHostError::Channel { .. }
+            | TestHostError::Unresponsive { .. }
+            | TestHostError::Broken
+    )
+}
+
+/// The shared test host, booted on first use. With `dead`, that host is replaced by a new one
+/// (unless another test already replaced it).
+fn test_host(dead: Option<&Arc<TestHost>>) -> Arc<TestHost> {
+    static HOST: Mutex<Option<Arc<TestHost>>> = Mutex::new(None);
+    let mut slot = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    if let (Some(dead), Some(current)) = (dead, slot.as_ref()) {
+        if Arc::ptr_eq(dead, current) {
+            *slot = None;
+        }
+    }
+    slot.get_or_insert_with(|| Arc::new(start_test_host()))
+        .clone()
+}
+
+fn start_test_host() -> TestHost {
+    let a = artifacts();
+    let config = TestHostConfig {
+        // Multi-threaded TCG: with one TCG thread, about 1 in 7 nested guest boots stalled
+        // before init (measured here); the rare test-host boot livelock of MTTCG is covered
+        // by the test host's boot retry.
+        tcg_threads: TcgThreads::Multi,
+        shares: vec![target_dir(), artifacts::data_home().join("bulkhead")],
+        extra_libs_for: vec![
+            env::current_exe().expect("test exe"),
+            a.vmm.clone(),
+            a.cli.clone(),
+        ],
+        ..TestHostConfig::default()
+    };
+    TestHost::start(config).unwrap_or_else(|e| panic!("cannot start the nested test host: {e}"))
 }
 
 /// The workspace root (parent of `tests/`).

@@ -158,9 +158,11 @@ pub struct CommandOutput {
 /// (speculation mitigations are pure overhead in an emulated, single-tenant test host); `tsc=reliable`
 /// skips the clocksource watchdog, which TCG's timing trips; `softlockup_panic=1` turns a livelocked
 /// kernel (seen with multi-threaded TCG, see the crate docs) into a panic, so QEMU exits (`panic=-1` with
-/// `-no-reboot`) and the failure is reported within ~30 s instead of a silent hang.
+/// `-no-reboot`) and the failure is reported instead of a silent hang; `watchdog_thresh=60` (the maximum)
+/// makes that a CPU stuck for 120 s, because a loaded 2-core machine starves TCG's vCPU threads for tens
+/// of seconds and a 20 s threshold panicked healthy test hosts mid-test.
 const CMDLINE: &str =
-    "console=ttyS0 quiet panic=-1 mitigations=off tsc=reliable softlockup_panic=1";
+    "console=ttyS0 quiet panic=-1 mitigations=off tsc=reliable softlockup_panic=1 watchdog_thresh=60";
 
 /// The kernel command line: [`CMDLINE`] and then `extra`.
 fn cmdline(extra: &[String]) -> String {
