@@ -22,6 +22,8 @@ use vmm_sys_util::eventfd::EventFd;
 pub mod block;
 pub mod fs;
 pub mod mmio;
+#[cfg(test)]
+pub(crate) mod test_driver;
 pub mod vsock;
 
 /// Feature bit: the device complies with virtio 1.x (virtio 1.2 §6.1). Required by the modern MMIO

@@ -4,7 +4,7 @@
 //! The event loop is driven with zero-timeout polls until no fd is ready ([`Harness::settle`]),
 //! so every step is deterministic.
 
-mod driver;
+use crate::devices::virtio::test_driver as driver;
 
 mod device_api;
 mod hostile;

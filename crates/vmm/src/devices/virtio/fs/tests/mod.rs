@@ -8,7 +8,7 @@
 //! as `nobody` (65534:65534), which owns the directory and its fixtures; otherwise as the test
 //! process itself, and the tests that need root to switch identities say so and return.
 
-mod driver;
+use crate::devices::virtio::test_driver as driver;
 mod harness;
 
 mod device_api;

@@ -5,7 +5,7 @@
 //! every step is deterministic: a Unix socket write is visible to epoll as soon as it returns.
 //! A loop that never settles (a busy fd) fails the test.
 
-mod driver;
+use crate::devices::virtio::test_driver as driver;
 
 mod device_api;
 mod flow_control;

@@ -5,6 +5,8 @@
 //! `virtio_queue::mock::MockSplitQueue` is not used because its layout places the used ring
 //! inside the avail ring for any queue size (`SplitQueueRing::end` counts ring entries as bytes),
 //! which corrupts both rings once more than a few chains are in flight.
+//!
+//! Shared by the unit tests of every virtio device (vsock, block, fs).
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -12,7 +14,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 /// Bytes of buffer space behind each descriptor.
 pub const SLOT_SIZE: u64 = 0x11000;
 
-const VIRTQ_DESC_F_NEXT: u16 = 1;
+/// Descriptor flag: the chain continues at `next`.
+pub const VIRTQ_DESC_F_NEXT: u16 = 1;
 /// Descriptor flag: device-writable buffer.
 pub const VIRTQ_DESC_F_WRITE: u16 = 2;
 
@@ -79,6 +82,11 @@ impl TestQueue {
         q.set_used_ring_address(Some(self.used as u32), Some((self.used >> 32) as u32));
         q.set_ready(true);
         q
+    }
+
+    /// Guest-physical addresses of the descriptor table, avail ring and used ring.
+    pub fn addresses(&self) -> (u64, u64, u64) {
+        (self.desc, self.avail, self.used)
     }
 
     /// Free descriptors.
@@ -155,8 +163,12 @@ impl TestQueue {
         self.used_seen = self.used_seen.wrapping_add(1);
 
         let mut descs = Vec::new();
+        let mut seen = Vec::new();
         let mut index = head;
-        loop {
+        // A chain a test made loop or point past the table ends at the first repeated or
+        // out-of-range index.
+        while index < self.size && !seen.contains(&index) {
+            seen.push(index);
             let at = self.desc + 16 * u64::from(index);
             let addr: u64 = self.mem.read_obj(GuestAddress(at)).unwrap();
             let dlen: u32 = self.mem.read_obj(GuestAddress(at + 8)).unwrap();
@@ -170,6 +182,29 @@ impl TestQueue {
             index = next;
         }
         Some(Used { len, descs })
+    }
+
+    /// Makes the last descriptor of the published chain at `head` point on to `next` (another
+    /// descriptor of the chain for a loop, or an index past the table).
+    pub fn link_tail(&mut self, head: u16, next: u16) {
+        let mut index = head;
+        loop {
+            let at = self.desc + 16 * u64::from(index);
+            let flags: u16 = self.mem.read_obj(GuestAddress(at + 12)).unwrap();
+            if flags & VIRTQ_DESC_F_NEXT == 0 {
+                self.mem
+                    .write_obj(flags | VIRTQ_DESC_F_NEXT, GuestAddress(at + 12))
+                    .unwrap();
+                self.mem.write_obj(next, GuestAddress(at + 14)).unwrap();
+                return;
+            }
+            index = self.mem.read_obj(GuestAddress(at + 14)).unwrap();
+        }
+    }
+
+    /// Guest-physical address of the avail ring's `idx` field.
+    pub fn avail_idx_addr(&self) -> u64 {
+        self.avail + 2
     }
 
     /// Reads `len` bytes of guest memory at `addr`.
