@@ -128,6 +128,26 @@ pub struct ActivateContext {
     pub interrupt: Arc<IrqTrigger>,
 }
 
+/// Copies the bytes of a device configuration space (`config`) at byte `offset` into `data`, as a
+/// driver's read of the config area sees them (virtio 1.2 §4.2.2, offset 0x100 onwards): bytes past
+/// the end of the space, or at an offset that overflows, read as zero.
+///
+/// ```
+/// # use bulkhead_vmm::devices::virtio::read_config_bytes;
+/// let mut data = [0xff; 4];
+/// read_config_bytes(&[1, 2, 3], 1, &mut data);
+/// assert_eq!(data, [2, 3, 0, 0]);
+/// ```
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, byte) in data.iter_mut().enumerate() {
+        *byte = offset
+            .checked_add(i as u64)
+            .and_then(|pos| usize::try_from(pos).ok())
+            .and_then(|pos| config.get(pos).copied())
+            .unwrap_or(0);
+    }
+}
+
 /// A virtio device behind a transport.
 pub trait VirtioDevice: Send {
     /// The virtio device ID ([`device_type`]).

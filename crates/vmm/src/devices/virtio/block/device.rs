@@ -22,7 +22,8 @@ use super::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX,
 };
 use crate::devices::virtio::{
-    device_type, ActivateContext, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1,
+    device_type, read_config_bytes, ActivateContext, ActivateError, IrqTrigger, VirtioDevice,
+    VIRTIO_F_VERSION_1,
 };
 
 /// Offset of `le64 capacity` (in sectors) in the configuration space (virtio 1.2 §5.2.4).
@@ -312,13 +313,7 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|pos| usize::try_from(pos).ok())
-                .and_then(|pos| self.config_space.get(pos).copied())
-                .unwrap_or(0);
-        }
+        read_config_bytes(&self.config_space, offset, data);
     }
 
     /// Every implemented field is read-only (`writeback` needs VIRTIO_BLK_F_CONFIG_WCE, not

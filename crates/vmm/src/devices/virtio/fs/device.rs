@@ -23,7 +23,8 @@ use super::{
     NUM_REQUEST_QUEUES, TAG_SIZE,
 };
 use crate::devices::virtio::{
-    device_type, ActivateContext, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1,
+    device_type, read_config_bytes, ActivateContext, ActivateError, IrqTrigger, VirtioDevice,
+    VIRTIO_F_VERSION_1,
 };
 
 /// How to create an [`Fs`] device: one shared host directory.
@@ -287,13 +288,7 @@ impl VirtioDevice for Fs {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|pos| usize::try_from(pos).ok())
-                .and_then(|pos| self.config_space.get(pos).copied())
-                .unwrap_or(0);
-        }
+        read_config_bytes(&self.config_space, offset, data);
     }
 
     /// Every field is read-only for the driver (virtio 1.2 §5.11.4.1).

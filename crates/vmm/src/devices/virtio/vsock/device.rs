@@ -28,7 +28,8 @@ use super::{
     TXQ_INDEX, VSOCK_QUEUE_SIZES,
 };
 use crate::devices::virtio::{
-    device_type, ActivateContext, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1,
+    device_type, read_config_bytes, ActivateContext, ActivateError, IrqTrigger, VirtioDevice,
+    VIRTIO_F_VERSION_1,
 };
 
 /// What an event-loop fd belongs to.
@@ -414,14 +415,7 @@ impl VirtioDevice for Vsock {
 
     /// The configuration space is `le64 guest_cid` (virtio 1.2 §5.10.4).
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.guest_cid.to_le_bytes();
-        for (i, byte) in data.iter_mut().enumerate() {
-            let pos = offset.checked_add(i as u64);
-            *byte = pos
-                .and_then(|p| usize::try_from(p).ok())
-                .and_then(|p| config.get(p).copied())
-                .unwrap_or(0);
-        }
+        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     /// The configuration space is read-only.
