@@ -3,5 +3,7 @@
 
 mod bad_input;
 mod boot;
+mod fs;
+mod images;
 mod run;
 mod sandbox_api;

@@ -119,3 +119,145 @@ fn build_initramfs(init: &Path, out: &Path, extra: &[&str]) {
         out.display()
     );
 }
+
+/// Name of the Debian image the image tests boot, in its cached store.
+pub const TEST_IMAGE_NAME: &str = "debian";
+
+/// Packages of the test image on top of the image builder's defaults (none: the tests check
+/// what the default image promises).
+const TEST_IMAGE_EXTRA_PACKAGES: [&str; 0] = [];
+
+impl Artifacts {
+    /// The static guest agent the test images carry (the musl release build).
+    pub fn musl_agent(&self) -> PathBuf {
+        target_dir().join("x86_64-unknown-linux-musl/release/bulkhead-agent")
+    }
+
+    /// Data directory (`BULKHEAD_DATA_DIR`) of the cached test image store: under bulkhead's data
+    /// directory (shared into the test host), keyed by the image's inputs — the image builder's
+    /// version, the package list and the agent binary's sha256 — so the image is rebuilt only
+    /// when one of them changes.
+    pub fn test_image_data_dir(&self) -> PathBuf {
+        let agent = std::fs::read(self.musl_agent()).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}; build it with `cargo build --release --target x86_64-unknown-linux-musl -p bulkhead-agent`",
+                self.musl_agent().display()
+            )
+        });
+        let inputs = format!(
+            "builder {} suite {} packages {:?}+{:?} agent {}",
+            bulkhead_image::manifest::BUILDER_VERSION,
+            bulkhead_image::DEFAULT_SUITE,
+            bulkhead_image::DEFAULT_PACKAGES,
+            TEST_IMAGE_EXTRA_PACKAGES,
+            crate::sha256_hex(&agent)
+        );
+        let key = &crate::sha256_hex(inputs.as_bytes())[..16];
+        test_images_root().join(key)
+    }
+
+    /// The test image's `rootfs.ext4`, built with `bulkhead image build debian` (root, network,
+    /// about a minute with cached packages) when it is not cached yet. Inside the test host only
+    /// the path is computed: the image was built outside before the test was delegated.
+    ///
+    /// # Panics
+    /// When the build fails.
+    pub fn debian_image(&self) -> PathBuf {
+        static BUILT: OnceLock<PathBuf> = OnceLock::new();
+        BUILT
+            .get_or_init(|| {
+                let data_dir = self.test_image_data_dir();
+                let rootfs = data_dir
+                    .join("images")
+                    .join(TEST_IMAGE_NAME)
+                    .join("rootfs.ext4");
+                if env::var_os(INNER_ENV).is_none() && !rootfs.is_file() {
+                    build_test_image(&self.cli, &self.musl_agent(), &data_dir);
+                }
+                rootfs
+            })
+            .clone()
+    }
+
+    /// A directory with a `mkfs.ext4` that runs inside the test host (whose initramfs has only
+    /// busybox): the host's `mke2fs` with its libraries and dynamic loader, behind a wrapper
+    /// script. Prepared outside the test host; put it in front of `PATH` inside.
+    ///
+    /// # Panics
+    /// When the host has no `mke2fs` or copying it fails.
+    pub fn e2fs_dir(&self) -> PathBuf {
+        let dir = target_dir().join("bulkhead-tests/e2fs");
+        if env::var_os(INNER_ENV).is_none() {
+            static DONE: OnceLock<()> = OnceLock::new();
+            DONE.get_or_init(|| copy_mke2fs(&dir));
+        }
+        dir
+    }
+}
+
+fn test_images_root() -> PathBuf {
+    data_home().join("bulkhead/test-images")
+}
+
+fn build_test_image(cli: &Path, agent: &Path, data_dir: &Path) {
+    eprintln!(
+        "building the test image into {} (cached until its inputs change)",
+        data_dir.display()
+    );
+    let status = Command::new(cli)
+        .args([
+            "image",
+            "build",
+            "debian",
+            "--name",
+            TEST_IMAGE_NAME,
+            "--agent",
+        ])
+        .arg(agent)
+        .env("BULKHEAD_DATA_DIR", data_dir)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", cli.display()));
+    assert!(status.success(), "building the test image failed: {status}");
+    // Older keys' images are never used again.
+    if let Ok(entries) = std::fs::read_dir(test_images_root()) {
+        for entry in entries.flatten() {
+            if entry.path() != data_dir {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}
+
+fn copy_mke2fs(dir: &Path) {
+    let mke2fs = Path::new("/usr/sbin/mke2fs");
+    require(mke2fs, "apt-get install e2fsprogs");
+    let lib_dir = dir.join("lib");
+    std::fs::create_dir_all(&lib_dir).expect("create the e2fs dir");
+    let ldd = Command::new("ldd").arg(mke2fs).output().expect("run ldd");
+    let mut loader = None;
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        // "libx.so => /lib/.../libx.so (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let Some(path) = line.split_whitespace().find(|w| w.starts_with('/')) else {
+            continue;
+        };
+        let path = Path::new(path);
+        let name = path.file_name().expect("library file name");
+        std::fs::copy(path, lib_dir.join(name)).expect("copy a library of mke2fs");
+        if line.trim_start().starts_with('/') {
+            loader = Some(lib_dir.join(name));
+        }
+    }
+    let loader = loader.expect("ldd names mke2fs's dynamic loader");
+    std::fs::copy(mke2fs, dir.join("mke2fs")).expect("copy mke2fs");
+    let _ = std::fs::copy("/etc/mke2fs.conf", dir.join("mke2fs.conf"));
+    let wrapper = format!(
+        "#!/bin/sh\nMKE2FS_CONFIG='{d}/mke2fs.conf' exec '{}' --library-path '{}' '{d}/mke2fs' \"$@\"\n",
+        loader.display(),
+        lib_dir.display(),
+        d = dir.display()
+    );
+    let script = dir.join("mkfs.ext4");
+    std::fs::write(&script, wrapper).expect("write the mkfs.ext4 wrapper");
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod the mkfs.ext4 wrapper");
+}

@@ -4,7 +4,8 @@
 //! `bulkhead-protocol` and `docs/agent-protocol.md`.
 //!
 //! With `bulkhead.root=/dev/vdX` on the kernel command line it first moves itself into an
-//! overlay root built on that read-only image ([`rootfs`]).
+//! overlay root built on that read-only image ([`rootfs`]). Then it mounts the host directories
+//! that `bulkhead.mount=TAG:DIR[:ro]` parameters name, over virtio-fs ([`mounts`]).
 //!
 //! The same server runs on the host in test mode (`--listen-unix PATH`), without the PID-1
 //! duties, so everything but the vsock transport is testable without a VM.
@@ -17,6 +18,7 @@ pub mod exec;
 pub mod files;
 pub mod init;
 pub mod log;
+pub mod mounts;
 pub mod reaper;
 pub mod rootfs;
 pub mod server;

@@ -1,8 +1,9 @@
 //! `bulkhead-agent` binary.
 //!
 //! - As PID 1 (no arguments needed; arguments the kernel passes are ignored): prepare the
-//!   guest, switch into the image root when `bulkhead.root=` asks for one, listen on vsock
-//!   port 1024, announce readiness to the host, serve forever.
+//!   guest, switch into the image root when `bulkhead.root=` asks for one, mount the shared
+//!   directories `bulkhead.mount=` names, listen on vsock port 1024, announce readiness to the
+//!   host, serve forever.
 //! - `bulkhead-agent --listen-unix PATH [--ready-unix PATH]`: serve the same protocol on a
 //!   Unix socket, without PID-1 duties (test mode).
 
@@ -12,7 +13,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
-use bulkhead_agent::{clock, init, log, reaper, rootfs, vsock};
+use bulkhead_agent::{clock, init, log, mounts, reaper, rootfs, vsock};
 use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
 
 const USAGE: &str =
@@ -67,6 +68,12 @@ fn run_pid1(started: BootTimestamps) -> ! {
         // No root, no sandbox: end the VM before announcing readiness (see `rootfs`).
         log!("root filesystem: {e}; rebooting");
         init::debug_port_write(format!("bulkhead-agent: root filesystem: {e}\n").as_bytes());
+        init::reboot();
+    }
+    if let Err(e) = mounts::mount_from_cmdline() {
+        // A command must never run without the directory it was promised (see `mounts`).
+        log!("shared directory: {e}; rebooting");
+        init::debug_port_write(format!("bulkhead-agent: shared directory: {e}\n").as_bytes());
         init::reboot();
     }
     if let Err(e) = reaper::start(true) {

@@ -4,6 +4,7 @@
 //! 124 when `--timeout` expired; 125 when bulkhead itself failed (no VM, bad input).
 
 mod daemon_cmds;
+mod image_cmds;
 mod run;
 
 use std::process::ExitCode;
@@ -34,6 +35,8 @@ enum Command {
     Rm(daemon_cmds::RmArgs),
     /// Show a daemon sandbox's VMM output and serial console.
     Logs(daemon_cmds::LogsArgs),
+    /// Build, list and delete root filesystem images (`bulkhead run --image NAME`).
+    Image(image_cmds::ImageArgs),
 }
 
 /// Exit status when bulkhead itself fails (as `docker run` does).
@@ -72,5 +75,6 @@ fn main() -> ExitCode {
         Command::Cp(args) => daemon_cmds::cp(args),
         Command::Rm(args) => daemon_cmds::rm(args),
         Command::Logs(args) => daemon_cmds::logs(args),
+        Command::Image(args) => image_cmds::image(args),
     }
 }

@@ -2,14 +2,15 @@
 //! output streamed, destroy the VM, exit with the command's status.
 
 use std::io::{self, Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::Duration;
 
+use bulkhead_image::StoreError;
 use bulkhead_protocol::client::{ExecEvent, ExecWriter};
 use bulkhead_protocol::{ExecRequest, ExitStatus};
-use bulkhead_sandbox::{Sandbox, SandboxConfig};
-use bulkhead_vmm::config::SerialOutput;
+use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage};
+use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
 /// Exit status reported when `--timeout` expired (as coreutils `timeout` does).
@@ -52,6 +53,22 @@ pub struct RunArgs {
     /// Print start-up timings to stderr.
     #[arg(long)]
     timings: bool,
+    /// Root filesystem image: a name from `bulkhead image ls` or the path of an ext4 file.
+    /// Shared read-only; the sandbox writes to a private layer that vanishes with it.
+    #[arg(long, value_name = "NAME|PATH")]
+    image: Option<String>,
+    /// Keep the writable layer of --image on a scratch disk of this many MiB (sparse, deleted
+    /// with the sandbox) instead of in guest RAM.
+    #[arg(long = "disk", value_name = "MIB", requires = "image")]
+    scratch_mib: Option<u64>,
+    /// Attach a raw disk image as an extra virtio-blk disk, read-only with `:ro` (repeatable;
+    /// /dev/vda, /dev/vdb, ... after the image's disks).
+    #[arg(long = "disk-file", value_name = "PATH[:ro]")]
+    disk_files: Vec<DiskConfig>,
+    /// Share a host directory with the guest at GUEST_DIR over virtio-fs, read-only with `:ro`
+    /// (enforced on the host) (repeatable).
+    #[arg(long = "mount", value_name = "HOST_DIR:GUEST_DIR[:ro]")]
+    mounts: Vec<Mount>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<String>,
@@ -74,6 +91,12 @@ fn seconds(what: &str, secs: f64) -> Result<Duration, String> {
 /// # Errors
 /// A message for everything that is bulkhead's failure rather than the command's.
 pub fn run(args: RunArgs) -> Result<u8, String> {
+    let config = sandbox_config(&args)?;
+    let request = exec_request(&args)?;
+    let storage = storage(&args)?;
+    // Bad images and disks are the user's to fix on any host: report them first.
+    bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
+    bulkhead_sandbox::mounts::check(&config.mounts).map_err(|e| e.to_string())?;
     let kvm = host_kvm();
     if !kvm.can_boot_stock_kernel() {
         return Err(format!(
@@ -81,9 +104,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
             kvm.explain()
         ));
     }
-    let config = sandbox_config(&args)?;
-    let request = exec_request(&args)?;
-    let sandbox = Sandbox::start(&config).map_err(|e| e.to_string())?;
+    let sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
     if args.timings {
         let t = sandbox.timings();
         eprintln!(
@@ -106,6 +127,7 @@ fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
         vcpus: args.vcpus,
         memory_mib: args.memory,
         ready_timeout: seconds("--boot-timeout", args.boot_timeout)?,
+        mounts: args.mounts.clone(),
         ..SandboxConfig::default()
     };
     if let Some(kernel) = &args.kernel {
@@ -118,6 +140,29 @@ fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
         config.console = SerialOutput::File(console.clone());
     }
     Ok(config)
+}
+
+fn storage(args: &RunArgs) -> Result<Storage, String> {
+    Ok(Storage {
+        root_image: args.image.as_deref().map(resolve_image).transpose()?,
+        scratch_mib: args.scratch_mib,
+        data_disks: args.disk_files.clone(),
+    })
+}
+
+/// The ext4 file of `--image`: a path when it contains a slash, else an image in the store
+/// (or, when the store has none of that name, a file of that name in the working directory).
+fn resolve_image(value: &str) -> Result<PathBuf, String> {
+    if value.contains('/') {
+        return Ok(PathBuf::from(value));
+    }
+    match crate::image_cmds::store().get(value) {
+        Ok(image) => Ok(image.rootfs),
+        Err(StoreError::NotFound { .. } | StoreError::Spec(_)) if Path::new(value).is_file() => {
+            Ok(PathBuf::from(value))
+        }
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn exec_request(args: &RunArgs) -> Result<ExecRequest, String> {

@@ -33,6 +33,113 @@ pub const MAGIC_OFFSET: u64 = 1024 + 0x38;
 /// `s_magic` of ext2/3/4 (little endian on disk).
 pub const EXT4_MAGIC: u16 = 0xEF53;
 
+/// Offset of the superblock in the image, in bytes.
+const SUPERBLOCK_OFFSET: u64 = 1024;
+
+/// Bytes of the superblock read by [`inspect`] (the whole 1024-byte superblock).
+const SUPERBLOCK_LEN: usize = 1024;
+
+/// `s_feature_incompat` bit saying block counts have a high 32-bit half (`INCOMPAT_64BIT`).
+const INCOMPAT_64BIT: u32 = 0x80;
+
+/// What an ext2/3/4 superblock says about the file system's extent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ext4Info {
+    /// Block size in bytes (`1024 << s_log_block_size`).
+    pub block_size: u64,
+    /// Number of blocks (`s_blocks_count_lo`, plus `s_blocks_count_hi` with the 64-bit
+    /// feature).
+    pub blocks: u64,
+}
+
+impl Ext4Info {
+    /// Bytes the file system spans: a file shorter than this is truncated.
+    pub fn fs_bytes(&self) -> u64 {
+        self.block_size.saturating_mul(self.blocks)
+    }
+}
+
+/// Why a file is not a usable ext4 image.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    /// The file could not be opened or read.
+    #[error("reading {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// No ext2/3/4 superblock (wrong magic, or the file is shorter than a superblock).
+    #[error("{} is not an ext4 file system image", path.display())]
+    NotExt4 {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The superblock describes a file system larger than the file.
+    #[error("{} is truncated: it is {file_bytes} bytes but its ext4 file system spans {fs_bytes} bytes", path.display())]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// The file's length.
+        file_bytes: u64,
+        /// What the superblock says the file system needs.
+        fs_bytes: u64,
+    },
+}
+
+/// Checks that `path` holds a whole ext2/3/4 file system: a superblock with the right magic
+/// and a plausible block size, and a file at least as long as the block count says. Reads
+/// only the superblock.
+pub fn inspect(path: &Path) -> Result<Ext4Info, InspectError> {
+    let io_err = |source| InspectError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let not_ext4 = || InspectError::NotExt4 {
+        path: path.to_path_buf(),
+    };
+    let mut file = File::open(path).map_err(io_err)?;
+    let file_bytes = file.metadata().map_err(io_err)?.len();
+    if file_bytes < SUPERBLOCK_OFFSET + SUPERBLOCK_LEN as u64 {
+        return Err(not_ext4());
+    }
+    let mut sb = [0u8; SUPERBLOCK_LEN];
+    file.seek(SeekFrom::Start(SUPERBLOCK_OFFSET))
+        .and_then(|_| file.read_exact(&mut sb))
+        .map_err(io_err)?;
+    let info = parse_superblock(&sb).ok_or_else(not_ext4)?;
+    if info.fs_bytes() > file_bytes {
+        return Err(InspectError::Truncated {
+            path: path.to_path_buf(),
+            file_bytes,
+            fs_bytes: info.fs_bytes(),
+        });
+    }
+    Ok(info)
+}
+
+/// The extent an ext2/3/4 superblock (`sb`, its first 1024 bytes) describes; `None` when the
+/// magic is wrong or the block size is not 1–64 KiB.
+pub fn parse_superblock(sb: &[u8; SUPERBLOCK_LEN]) -> Option<Ext4Info> {
+    let u32_at = |off: usize| u32::from_le_bytes([sb[off], sb[off + 1], sb[off + 2], sb[off + 3]]);
+    if u16::from_le_bytes([sb[0x38], sb[0x39]]) != EXT4_MAGIC {
+        return None;
+    }
+    let log_block_size = u32_at(0x18);
+    if log_block_size > 6 {
+        return None;
+    }
+    let mut blocks = u64::from(u32_at(0x4));
+    if u32_at(0x60) & INCOMPAT_64BIT != 0 {
+        blocks |= u64::from(u32_at(0x150)) << 32;
+    }
+    Some(Ext4Info {
+        block_size: 1024 << log_block_size,
+        blocks,
+    })
+}
+
 /// Errors making an image.
 #[derive(Debug, thiserror::Error)]
 pub enum Ext4Error {
@@ -193,6 +300,64 @@ pub fn has_ext4_magic(path: &Path) -> io::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file of `len` bytes whose superblock claims `blocks` blocks of 4 KiB.
+    fn fake_image(dir: &Path, name: &str, len: usize, blocks: u32) -> PathBuf {
+        let mut bytes = vec![0u8; len];
+        let sb = SUPERBLOCK_OFFSET as usize;
+        bytes[sb + 0x4..sb + 0x8].copy_from_slice(&blocks.to_le_bytes());
+        bytes[sb + 0x18..sb + 0x1c].copy_from_slice(&2u32.to_le_bytes());
+        bytes[sb + 0x38..sb + 0x3a].copy_from_slice(&EXT4_MAGIC.to_le_bytes());
+        let path = dir.join(name);
+        fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn inspect_accepts_a_whole_image_and_reports_its_extent() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_image(dir.path(), "whole", 4 * 4096, 4);
+
+        // Act
+        let info = inspect(&path).unwrap();
+
+        // Assert
+        assert_eq!(
+            info,
+            Ext4Info {
+                block_size: 4096,
+                blocks: 4
+            }
+        );
+    }
+
+    #[test]
+    fn inspect_reports_truncated_and_foreign_files() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let truncated = fake_image(dir.path(), "cut", 3 * 4096, 4);
+        let zeros = dir.path().join("zeros");
+        fs::write(&zeros, vec![0u8; 8192]).unwrap();
+
+        // Act
+        let cut = inspect(&truncated).unwrap_err();
+        let foreign = inspect(&zeros).unwrap_err();
+
+        // Assert
+        assert!(
+            matches!(
+                cut,
+                InspectError::Truncated {
+                    file_bytes: 12288,
+                    fs_bytes: 16384,
+                    ..
+                }
+            ),
+            "{cut}"
+        );
+        assert!(matches!(foreign, InspectError::NotExt4 { .. }), "{foreign}");
+    }
 
     #[test]
     fn usage_counts_blocks_and_hard_links_once() {

@@ -43,7 +43,7 @@ pub enum StoreError {
     #[error(transparent)]
     Spec(#[from] SpecError),
     /// No image of that name.
-    #[error("image {name:?} not found in {} (build it with `bulkhead image build {name}`)", dir.display())]
+    #[error("image {name:?} not found in {} (`bulkhead image ls` lists the images; `bulkhead image build debian --name {name}` builds one)", dir.display())]
     NotFound {
         /// The name asked for.
         name: String,
@@ -165,7 +165,8 @@ impl ImageStore {
     }
 
     /// The image `name`, after cheap checks that its `rootfs.ext4` exists, has the
-    /// manifest's length and starts with an ext4 superblock (the full sha256 is checked by
+    /// manifest's length and holds a whole ext4 file system ([`ext4::inspect`] reads the
+    /// superblock only; the full sha256 is checked by
     /// [`ImageStore::verify`]).
     pub fn get(&self, name: &str) -> Result<Image, StoreError> {
         let dir = self.image_dir(name)?;
@@ -185,12 +186,7 @@ impl ImageStore {
                 manifest.size_bytes
             )));
         }
-        if !ext4::has_ext4_magic(&rootfs).map_err(io_err("reading", &rootfs))? {
-            return Err(damaged(format!(
-                "{} is not an ext4 file system",
-                rootfs.display()
-            )));
-        }
+        ext4::inspect(&rootfs).map_err(|e| damaged(e.to_string()))?;
         Ok(Image {
             manifest,
             dir,

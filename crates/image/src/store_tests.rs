@@ -11,7 +11,11 @@ struct FakeBuilder {
 
 impl FakeBuilder {
     fn image_bytes(&self) -> Vec<u8> {
+        // One 4 KiB block: superblock at 1024 with s_blocks_count_lo = 1, s_log_block_size = 2.
         let mut bytes = vec![self.fill; 4096];
+        bytes[1024..2048].fill(0);
+        bytes[1024 + 0x4] = 1;
+        bytes[1024 + 0x18] = 2;
         bytes[MAGIC_OFFSET as usize..MAGIC_OFFSET as usize + 2]
             .copy_from_slice(&EXT4_MAGIC.to_le_bytes());
         bytes

@@ -18,10 +18,14 @@
 //! [`READY_PORT`]: bulkhead_protocol::READY_PORT
 #![deny(missing_docs)]
 
+pub mod mounts;
 pub mod paths;
 mod process;
 mod sandbox;
+pub mod storage;
 mod vmm_process;
 
+pub use mounts::{Mount, MountError};
 pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState, Timings};
+pub use storage::{Storage, StorageError};
 pub use vmm_process::{start_time_of, VmmExit};

@@ -7,13 +7,16 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How [`spawn_vmm`] starts the VMM.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SpawnOptions<'a> {
-    /// With it the VMM receives SIGTERM when the spawning thread exits (PR_SET_PDEATHSIG), so a
-    /// crashed client never leaves a VM behind.
+    /// With it the VMM receives SIGTERM when this process exits (PR_SET_PDEATHSIG), so a
+    /// crashed client never leaves a VM behind. The kernel ties that signal to the *thread*
+    /// that forked, so such VMMs are forked by one thread that lives as long as the process
+    /// ([`spawn_on_keeper`]): a sandbox started on a short-lived worker thread survives it.
     pub kill_on_parent_exit: bool,
     /// `cgroup.procs` files the VMM joins between fork and exec (see
     /// [`crate::SandboxConfig::cgroup_procs`]).
@@ -56,7 +59,43 @@ pub(crate) fn spawn_vmm(
             cmd.pre_exec(move || join_cgroups(&files));
         }
     }
-    cmd.spawn()
+    if options.kill_on_parent_exit {
+        spawn_on_keeper(cmd)
+    } else {
+        cmd.spawn()
+    }
+}
+
+/// A spawn request for the keeper thread: the command and where to send the result.
+type SpawnJob = (Command, mpsc::Sender<io::Result<Child>>);
+
+/// Spawns `cmd` from the process-wide keeper thread, which never exits, so a PR_SET_PDEATHSIG
+/// set in the child fires only when the whole process dies (prctl(2): "the parent" is the
+/// thread that created the child).
+fn spawn_on_keeper(cmd: Command) -> io::Result<Child> {
+    static KEEPER: OnceLock<Option<Mutex<mpsc::Sender<SpawnJob>>>> = OnceLock::new();
+    let gone = || io::Error::other("the VMM spawner thread could not start or is gone");
+    let keeper = KEEPER.get_or_init(|| {
+        let (jobs, inbox) = mpsc::channel::<SpawnJob>();
+        std::thread::Builder::new()
+            .name("bulkhead-vmm-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in inbox {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .ok()
+            .map(|_| Mutex::new(jobs))
+    });
+    let (reply, result) = mpsc::channel();
+    keeper
+        .as_ref()
+        .ok_or_else(gone)?
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .send((cmd, reply))
+        .map_err(|_| gone())?;
+    result.recv().map_err(|_| gone())?
 }
 
 /// Opens each `cgroup.procs` file for writing, before the fork (opening allocates).
@@ -198,6 +237,62 @@ mod tests {
     use std::os::unix::net::UnixListener;
 
     use super::*;
+
+    /// State letter and pending-signal masks of `pid` from /proc.
+    fn proc_state(pid: u32) -> String {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .filter(|l| {
+                l.starts_with("State:") || l.starts_with("SigPnd:") || l.starts_with("ShdPnd:")
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn a_vmm_started_on_a_short_lived_thread_outlives_that_thread() {
+        // Arrange: a stand-in VMM that ignores its arguments and waits.
+        let dir = tempfile::tempdir().unwrap();
+        let vmm = dir.path().join("vmm");
+        std::fs::write(&vmm, "#!/bin/sh\nexec sleep 60\n").unwrap();
+        std::fs::set_permissions(&vmm, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let options = SpawnOptions {
+            kill_on_parent_exit: true,
+            cgroup_procs: &[],
+        };
+
+        // Act: spawn from a worker thread, then wait until that thread is fully gone (the
+        // kernel sends PR_SET_PDEATHSIG before it removes the thread from /proc).
+        let (vmm_path, log) = (vmm.clone(), dir.path().join("log"));
+        let worker = std::thread::spawn(move || {
+            // SAFETY: gettid takes no arguments and cannot fail.
+            let tid = unsafe { libc::gettid() };
+            (
+                spawn_vmm(&vmm_path, Path::new("cfg"), &log, options).unwrap(),
+                tid,
+            )
+        });
+        let (mut child, tid) = worker.join().unwrap();
+        let task = format!("/proc/self/task/{tid}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Path::new(&task).exists() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+
+        // Assert: no signal was sent (it would be pending or would have ended the process).
+        let state = proc_state(child.id());
+        assert!(!Path::new(&task).exists(), "worker thread never exited");
+        assert!(
+            !state.contains("State:\tZ")
+                && state.contains("SigPnd:\t0000000000000000")
+                && state.contains("ShdPnd:\t0000000000000000"),
+            "{state}"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
 
     #[test]
     fn exit_of_the_child_wakes_the_wait() {

@@ -13,8 +13,10 @@ use bulkhead_protocol::{ExecRequest, Ready, READY_PORT};
 use bulkhead_vmm::boot::cmdline::DEFAULT_CMDLINE;
 use bulkhead_vmm::config::{SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID};
 
+use crate::mounts::{self, Mount, MountError};
 use crate::paths;
 use crate::process::{self, SpawnOptions, Woken};
+use crate::storage::{self, Prepared, Storage, StorageError};
 use crate::vmm_process::{start_time_of, Adopted, VmmExit, VmmProcess};
 
 /// How long the VMM gets to stop after SIGTERM before it is killed.
@@ -78,6 +80,12 @@ pub enum Error {
     /// [`Sandbox::adopt`]: the VMM process or the sandbox's files are gone.
     #[error("cannot adopt the sandbox: {0}")]
     Adopt(io::Error),
+    /// The root image, scratch disk or a data disk is unusable ([`Sandbox::start_with`]).
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// A host directory to mount is unusable ([`SandboxConfig::mounts`]).
+    #[error(transparent)]
+    Mount(#[from] MountError),
 }
 
 /// What a sandbox boots and with which resources.
@@ -101,13 +109,17 @@ pub struct SandboxConfig {
     pub runtime_dir: PathBuf,
     /// How long to wait for the agent to announce itself.
     pub ready_timeout: Duration,
-    /// Stop the VMM (SIGTERM) when the thread that started it exits.
+    /// Stop the VMM (SIGTERM) when this process exits, even by SIGKILL (PR_SET_PDEATHSIG, set
+    /// from a process-wide spawner thread, so the thread that called `start` may end first).
     pub kill_on_parent_exit: bool,
     /// `cgroup.procs` files of the cgroups the VMM must run in (one per hierarchy: cgroup v2 has
     /// one, v1 one per controller). The files are opened before the fork and the child writes
     /// `0` into each (moving itself) before it execs, so the VMM is charged from its first
     /// allocation. Empty (the default): the VMM stays in the caller's cgroups.
     pub cgroup_procs: Vec<PathBuf>,
+    /// Host directories shared into the guest over virtio-fs and mounted by the agent (see
+    /// [`mounts`](crate::mounts)). Checked when the sandbox starts.
+    pub mounts: Vec<Mount>,
 }
 
 impl Default for SandboxConfig {
@@ -124,6 +136,7 @@ impl Default for SandboxConfig {
             ready_timeout: Duration::from_secs(60),
             kill_on_parent_exit: true,
             cgroup_procs: Vec::new(),
+            mounts: Vec::new(),
         }
     }
 }
@@ -172,9 +185,23 @@ impl Sandbox {
     /// when the VM fails to boot, [`Error::ReadyTimeout`] (the VM is destroyed), and the rest of
     /// [`Error`]. Nothing is left running or on disk when this fails.
     pub fn start(config: &SandboxConfig) -> Result<Sandbox, Error> {
+        Self::start_with(config, &Storage::default())
+    }
+
+    /// Boots a sandbox with disks: a read-only root image with a private writable layer,
+    /// and data disks (see [`Storage`]). The scratch disk lives in the runtime directory and
+    /// is deleted with the sandbox.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] for unusable images and disks (checked before anything starts), and
+    /// everything [`Sandbox::start`] reports. Nothing is left running or on disk when this
+    /// fails.
+    pub fn start_with(config: &SandboxConfig, storage: &Storage) -> Result<Sandbox, Error> {
         let started = Instant::now();
         check_inputs(config)?;
+        storage::check(storage, &config.runtime_dir)?;
         let dir = make_runtime_dir(&config.runtime_dir)?;
+        let disks = storage::prepare(storage, dir.path())?;
         let uds_path = dir.path().join("vm.sock");
         let ready_path = dir.path().join(format!("vm.sock_{READY_PORT}"));
         let listener = UnixListener::bind(&ready_path).map_err(|source| Error::RuntimeDir {
@@ -182,7 +209,7 @@ impl Sandbox {
             source,
         })?;
         let config_path = dir.path().join("vm.json");
-        write_vm_config(config, &uds_path, &config_path)?;
+        write_vm_config(config, &disks, &uds_path, &config_path)?;
         let log_path = dir.path().join("vmm.log");
         let options = SpawnOptions {
             kill_on_parent_exit: config.kill_on_parent_exit,
@@ -342,7 +369,7 @@ impl Sandbox {
 
     /// Lets go of the sandbox without stopping it: the VMM keeps running and the runtime
     /// directory stays, for a later [`Sandbox::adopt`]. (Not with
-    /// [`SandboxConfig::kill_on_parent_exit`], which stops the VMM when this thread exits.)
+    /// [`SandboxConfig::kill_on_parent_exit`], which stops the VMM when this process exits.)
     ///
     /// # Errors
     /// [`Error::Process`] when the VMM has already exited; the sandbox is then torn down.
@@ -459,9 +486,20 @@ fn make_runtime_dir(parent: &Path) -> Result<tempfile::TempDir, Error> {
         .map_err(err)
 }
 
-fn write_vm_config(config: &SandboxConfig, uds_path: &Path, path: &Path) -> Result<(), Error> {
+fn write_vm_config(
+    config: &SandboxConfig,
+    disks: &Prepared,
+    uds_path: &Path,
+    path: &Path,
+) -> Result<(), Error> {
+    let shared = mounts::prepare(&config.mounts)?;
     let mut cmdline = format!("{DEFAULT_CMDLINE} quiet");
-    for extra in &config.extra_cmdline {
+    for extra in disks
+        .cmdline
+        .iter()
+        .chain(&shared.cmdline)
+        .chain(&config.extra_cmdline)
+    {
         cmdline.push(' ');
         cmdline.push_str(extra);
     }
@@ -477,8 +515,8 @@ fn write_vm_config(config: &SandboxConfig, uds_path: &Path, path: &Path) -> Resu
             guest_cid: DEFAULT_GUEST_CID,
             uds_path: uds_path.to_owned(),
         }),
-        disks: Vec::new(),
-        shares: Vec::new(),
+        disks: disks.disks.clone(),
+        shares: shared.shares,
     };
     let json = serde_json::to_vec_pretty(&vm).map_err(|e| Error::RuntimeDir {
         path: path.to_owned(),
@@ -665,7 +703,13 @@ mod tests {
         config.extra_cmdline = vec!["bulkhead.hostname=x".into()];
         let path = dir.path().join("vm.json");
 
-        write_vm_config(&config, Path::new("/run/x/vm.sock"), &path).unwrap();
+        write_vm_config(
+            &config,
+            &Prepared::default(),
+            Path::new("/run/x/vm.sock"),
+            &path,
+        )
+        .unwrap();
         let vm = VmConfig::from_file(&path).unwrap();
 
         assert_eq!(vm.vsock.unwrap().uds_path, PathBuf::from("/run/x/vm.sock"));

@@ -67,6 +67,9 @@ pub enum Error {
     /// An empty path was given.
     #[error("the {0} path is empty")]
     EmptyPath(&'static str),
+    /// Two shares have the same mount tag (the guest could mount only one of them).
+    #[error("the virtio-fs tag `{0}` is given to two shares")]
+    DuplicateShareTag(String),
 }
 
 /// Where the guest's serial console (COM1) goes.
@@ -311,6 +314,10 @@ impl VmConfig {
         {
             return Err(Error::EmptyPath("initrd"));
         }
+        let mut tags = std::collections::HashSet::new();
+        if let Some(dup) = self.shares.iter().find(|s| !tags.insert(s.tag.as_str())) {
+            return Err(Error::DuplicateShareTag(dup.tag.clone()));
+        }
         Ok(())
     }
 }
@@ -361,6 +368,19 @@ mod tests {
         assert!(share.read_only);
         assert!("no-equals".parse::<ShareConfig>().is_err());
         assert!("=/x".parse::<ShareConfig>().is_err());
+    }
+
+    #[test]
+    fn the_same_share_tag_twice_is_refused() {
+        let mut cfg = VmConfig::new("/k");
+        cfg.shares = vec!["work=/a".parse().unwrap(), "work=/b:ro".parse().unwrap()];
+
+        let err = cfg.validate().unwrap_err();
+
+        assert!(
+            matches!(err, Error::DuplicateShareTag(ref t) if t == "work"),
+            "{err}"
+        );
     }
 
     #[test]

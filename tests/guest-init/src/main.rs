@@ -20,6 +20,10 @@
 //!
 //! Run as `bulkhead-test-init vsock-send PORT` (a tool in the agent test image), it copies stdin to
 //! a vsock connection to the host (CID 2) on PORT and prints `sent <bytes> sha256=<hex>`.
+//!
+//! Run as `bulkhead-test-init mmap-write FILE OFFSET TEXT`, it maps FILE shared and writable,
+//! stores TEXT at byte OFFSET through the mapping and `msync`s it (the virtio-fs tests' mmap
+//! write); errors go to stderr with exit status 1.
 
 use std::fs;
 use std::io::Write;
@@ -28,6 +32,15 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("vsock-send") {
         std::process::exit(vsock_send(args.get(2).map(String::as_str)));
+    }
+    if args.get(1).map(String::as_str) == Some("mmap-write") {
+        std::process::exit(match mmap_write(&args[2..]) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("mmap-write: {e}");
+                1
+            }
+        });
     }
     mount_pseudo_filesystems();
     let report = format!(
@@ -238,4 +251,48 @@ fn vsock_send(port: Option<&str>) -> i32 {
         .collect();
     println!("sent {total} sha256={digest}");
     0
+}
+
+/// `mmap-write FILE OFFSET TEXT`: writes TEXT at OFFSET of FILE through a shared mapping.
+fn mmap_write(args: &[String]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+
+    let usage = || std::io::Error::other("usage: bulkhead-test-init mmap-write FILE OFFSET TEXT");
+    let [file, offset, text] = args else {
+        return Err(usage());
+    };
+    let offset: usize = offset.parse().map_err(|_| usage())?;
+    let file = fs::OpenOptions::new().read(true).write(true).open(file)?;
+    let len = usize::try_from(file.metadata()?.len()).map_err(|_| usage())?;
+    if offset + text.len() > len || len == 0 {
+        return Err(std::io::Error::other("TEXT does not fit in FILE"));
+    }
+    // SAFETY: a fresh shared mapping of `len` bytes of an open file; the result is checked.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: offset + text.len() <= len, so the copy stays inside the mapping, which nothing
+    // else aliases.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), map.cast::<u8>().add(offset), text.len())
+    };
+    // SAFETY: `map` is the mapping of `len` bytes created above.
+    let synced = unsafe { libc::msync(map, len, libc::MS_SYNC) };
+    let error = std::io::Error::last_os_error();
+    // SAFETY: as above; the mapping is not used afterwards.
+    unsafe { libc::munmap(map, len) };
+    if synced != 0 {
+        return Err(error);
+    }
+    Ok(())
 }

@@ -114,6 +114,7 @@ impl Manager {
             // VMs outlive the daemon (restarts adopt them).
             kill_on_parent_exit: false,
             cgroup_procs: Vec::new(),
+            mounts: Vec::new(),
         }
     }
 

@@ -1,0 +1,429 @@
+//! Host directories mounted into real guests over virtio-fs (`--mount`, `SandboxConfig::mounts`):
+//! issue 6's acceptance for read-write and read-only shares, escape attempts and ownership.
+//!
+//! The shared directories live on the test host's local file system (its temp dir), not on its
+//! 9p-shared `target/`. The tests run as root there, so the writable share is chowned to an
+//! unprivileged owner ([`OWNER`]): root may not share a root-owned directory read-write.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use bulkhead_protocol::client::ExecOutput;
+use bulkhead_protocol::ExecRequest;
+use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig};
+use bulkhead_tests::{artifacts, describe, guest_test, sha256_hex};
+
+/// uid:gid the writable shares belong to on the host.
+const OWNER: (u32, u32) = (1000, 1000);
+
+/// Guest mount points.
+const RW: &str = "/mnt/rw";
+const RO: &str = "/mnt/ro";
+
+/// Size of the large file copied in and out, in bytes (200 MiB).
+const BIG: usize = 200 << 20;
+
+/// Host side of a test: `rw/` (owned by [`OWNER`]) and `ro/` shares, and `outside/secret` next to
+/// them.
+struct Tree {
+    base: tempfile::TempDir,
+}
+
+impl Tree {
+    fn new() -> Tree {
+        let base = tempfile::Builder::new()
+            .prefix("bulkhead-fs-")
+            .tempdir()
+            .expect("temp dir");
+        let tree = Tree { base };
+        for dir in ["rw", "ro/sub", "outside"] {
+            std::fs::create_dir_all(tree.path(dir)).unwrap();
+        }
+        std::os::unix::fs::chown(tree.path("rw"), Some(OWNER.0), Some(OWNER.1)).unwrap();
+        std::fs::write(tree.path("ro/a.txt"), b"read-only a\n").unwrap();
+        std::fs::write(tree.path("ro/sub/b.txt"), b"read-only b\n").unwrap();
+        std::fs::write(tree.path("outside/secret"), b"host secret\n").unwrap();
+        tree
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.base.path().join(rel)
+    }
+
+    fn read(&self, rel: &str) -> String {
+        String::from_utf8_lossy(&std::fs::read(self.path(rel)).unwrap()).into_owned()
+    }
+
+    fn owner(&self, rel: &str) -> (u32, u32) {
+        let meta = std::fs::symlink_metadata(self.path(rel)).unwrap();
+        (meta.uid(), meta.gid())
+    }
+
+    /// Plants symlinks in `rw/` pointing outside the share, as a host user could.
+    fn plant_links(&self) {
+        let links = [
+            ("rw/to_secret", self.path("outside/secret")),
+            ("rw/to_outside", self.path("outside")),
+            ("rw/rel_escape", PathBuf::from("../outside/secret")),
+        ];
+        for (link, target) in links {
+            std::os::unix::fs::symlink(target, self.path(link)).unwrap();
+        }
+    }
+}
+
+/// Every entry under `dir`: relative path → (sha256 or link target, mtime ns, mode, nlink).
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, (String, i128, u32, u64)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let content = if meta.is_dir() {
+                stack.push(path.clone());
+                String::from("dir")
+            } else if meta.is_symlink() {
+                std::fs::read_link(&path).unwrap().display().to_string()
+            } else {
+                sha256_hex(&std::fs::read(&path).unwrap())
+            };
+            let mtime = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
+            let key = path.strip_prefix(dir).unwrap().to_owned();
+            out.insert(key, (content, mtime, meta.mode(), meta.nlink()));
+        }
+    }
+    out
+}
+
+fn config(mounts: Vec<Mount>) -> SandboxConfig {
+    let a = artifacts();
+    SandboxConfig {
+        kernel: a.vmlinux.clone(),
+        initrd: a.agent_initrd.clone(),
+        vmm_binary: a.vmm.clone(),
+        ready_timeout: Duration::from_secs(300),
+        mounts,
+        ..SandboxConfig::default()
+    }
+}
+
+fn mount(host: PathBuf, guest: &str, read_only: bool) -> Mount {
+    Mount {
+        host,
+        guest: PathBuf::from(guest),
+        read_only,
+    }
+}
+
+/// Runs `script` with `sh -e` in the guest; returns stdout and asserts success.
+fn sh_ok(sandbox: &Sandbox, script: &str) -> String {
+    let out = sh(sandbox, script);
+    assert_eq!(
+        out.status.code,
+        Some(0),
+        "guest script failed: {script}\n--- stdout\n{}\n--- stderr\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn sh(sandbox: &Sandbox, script: &str) -> ExecOutput {
+    sandbox
+        .exec(&ExecRequest::new(["sh", "-ec", script]))
+        .expect("exec")
+        .wait_with_output()
+        .expect("exec output")
+}
+
+guest_test!(
+    fn a_read_write_share_passes_every_file_operation_to_the_host_at_once() {
+        // Arrange
+        let tree = Tree::new();
+        let sandbox = Sandbox::start(&config(vec![mount(tree.path("rw"), RW, false)])).unwrap();
+
+        // Act
+        sh_ok(
+            &sandbox,
+            "cd /mnt/rw
+             echo hello > created; echo more >> created; mv created renamed
+             echo bye > gone; rm gone
+             mkdir kept; mkdir removed; rmdir removed
+             ln -s renamed link; chmod 640 renamed
+             echo 0123456789 > trunc; truncate -s 4 trunc
+             printf aaaaaaaaaa > mapped; bulkhead-test-init mmap-write mapped 3 XYZ",
+        );
+
+        // Assert: no sync, no unmount: the host sees every change as soon as the command is done.
+        assert_eq!(tree.read("rw/renamed"), "hello\nmore\n");
+        let mode = std::fs::metadata(tree.path("rw/renamed")).unwrap().mode();
+        assert_eq!(mode & 0o7777, 0o640);
+        assert!(!tree.path("rw/created").exists() && !tree.path("rw/gone").exists());
+        assert!(tree.path("rw/kept").is_dir() && !tree.path("rw/removed").exists());
+        let link = std::fs::read_link(tree.path("rw/link")).unwrap();
+        assert_eq!(link, PathBuf::from("renamed"));
+        assert_eq!(tree.read("rw/trunc"), "0123");
+        assert_eq!(tree.read("rw/mapped"), "aaaXYZaaaa");
+        sandbox.destroy().unwrap();
+    }
+);
+
+guest_test!(
+    fn files_guest_root_creates_belong_to_the_share_owner_and_cannot_be_given_to_host_root() {
+        // Arrange
+        let tree = Tree::new();
+        let sandbox = Sandbox::start(&config(vec![mount(tree.path("rw"), RW, false)])).unwrap();
+
+        // Act
+        let whoami = sh_ok(
+            &sandbox,
+            "id -u; cd /mnt/rw; echo x > file; mkdir dir; ln -s file sym
+             if chown 0:0 file 2>/dev/null; then echo chown-allowed; else echo chown-refused; fi",
+        );
+
+        // Assert
+        assert_eq!(whoami, "0\nchown-refused\n");
+        for rel in ["rw/file", "rw/dir", "rw/sym"] {
+            assert_eq!(tree.owner(rel), OWNER, "{rel}");
+        }
+        sandbox.destroy().unwrap();
+    }
+);
+
+guest_test!(
+    fn every_write_to_a_read_only_share_fails_with_erofs_even_after_a_guest_remount() {
+        // Arrange
+        let tree = Tree::new();
+        let before = snapshot(&tree.path("ro"));
+        let sandbox = Sandbox::start(&config(vec![mount(tree.path("ro"), RO, true)])).unwrap();
+        // Guest root lifts the guest-side read-only flag: only the host stands in the way.
+        sh_ok(&sandbox, "mount -o remount,rw /mnt/ro");
+        let attempts = [
+            "echo x > new",
+            "echo x > a.txt",
+            "echo x >> a.txt",
+            "truncate -s 0 a.txt",
+            "bulkhead-test-init mmap-write a.txt 0 Z",
+            "mv a.txt moved",
+            "rm a.txt",
+            "mkdir newdir",
+            "rmdir sub",
+            "ln -s a.txt symlink",
+            "ln a.txt hardlink",
+            "chmod 600 a.txt",
+            "touch a.txt",
+            "mknod fifo p",
+        ];
+        let script: String = attempts
+            .iter()
+            .map(|op| format!("if out=$( ({op}) 2>&1); then echo \"OK {op}\"; else echo \"ERR {op}: $out\"; fi\n"))
+            .collect();
+
+        // Act
+        let results = sh_ok(&sandbox, &format!("cd /mnt/ro\n{script}"));
+        let reads = sh_ok(&sandbox, "cat /mnt/ro/a.txt /mnt/ro/sub/b.txt");
+
+        // Assert
+        let lines: Vec<&str> = results.lines().collect();
+        assert_eq!(lines.len(), attempts.len(), "{results}");
+        for line in &lines {
+            assert!(
+                line.starts_with("ERR ") && line.contains("Read-only file system"),
+                "not refused with EROFS: {line}\n{results}"
+            );
+        }
+        assert_eq!(reads, "read-only a\nread-only b\n");
+        sandbox.destroy().unwrap();
+        assert_eq!(
+            snapshot(&tree.path("ro")),
+            before,
+            "the read-only tree changed"
+        );
+    }
+);
+
+guest_test!(
+    fn escapes_from_a_share_fail_and_leave_the_host_unchanged() {
+        // Arrange
+        let tree = Tree::new();
+        tree.plant_links();
+        let outside = tree.path("outside");
+        let before = snapshot(&outside);
+        let sandbox = Sandbox::start(&config(vec![mount(tree.path("rw"), RW, false)])).unwrap();
+        // The same absolute path exists in the guest: a planted symlink resolves there.
+        let guest_side = format!(
+            "mkdir -p {o}; echo guest copy > {o}/secret",
+            o = outside.display()
+        );
+
+        // Act
+        let out = sh_ok(
+            &sandbox,
+            &format!(
+                "{guest_side}
+                 cat /mnt/rw/to_secret; echo pwned > /mnt/rw/to_secret; cat {o}/secret
+                 echo pwned > /mnt/rw/to_outside/planted
+                 cat /mnt/rw/rel_escape 2>/dev/null || echo rel-escape-missing
+                 cat /mnt/rw/../outside/secret 2>/dev/null || echo dotdot-missing
+                 ln /mnt/rw/to_secret /mnt/rw/hardlink_of_link || true
+                 ln {o}/secret /mnt/rw/hardlink 2>/dev/null || echo cross-link-refused
+                 ln -s /proc/self/fd/0 /mnt/rw/fdlink; cat /mnt/rw/fdlink </dev/null",
+                o = outside.display()
+            ),
+        );
+
+        // Assert
+        let mut lines = out.lines();
+        assert_eq!(lines.next(), Some("guest copy"), "{out}");
+        assert_eq!(lines.next(), Some("pwned"), "{out}");
+        assert!(out.contains("rel-escape-missing"), "{out}");
+        assert!(out.contains("dotdot-missing"), "{out}");
+        assert!(out.contains("cross-link-refused"), "{out}");
+        sandbox.destroy().unwrap();
+        assert_eq!(snapshot(&outside), before, "outside the share changed");
+        assert_eq!(tree.read("outside/secret"), "host secret\n");
+        let link = std::fs::read_link(tree.path("rw/to_secret")).unwrap();
+        assert_eq!(
+            link,
+            tree.path("outside/secret"),
+            "the planted link was replaced"
+        );
+        // Linking a planted symlink may be refused; if made, it links the symlink itself (the
+        // unchanged nlink of `secret` in the snapshot says the same).
+        if let Ok(meta) = std::fs::symlink_metadata(tree.path("rw/hardlink_of_link")) {
+            assert!(
+                meta.is_symlink(),
+                "a hard link of a planted symlink followed it"
+            );
+        }
+        assert!(!tree.path("rw/hardlink").exists());
+    }
+);
+
+/// 200 MiB of deterministic pseudo-random bytes (xorshift64).
+fn big_data() -> Vec<u8> {
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut data = Vec::with_capacity(BIG);
+    while data.len() < BIG {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        data.extend_from_slice(&state.to_le_bytes());
+    }
+    data
+}
+
+guest_test!(
+    fn a_200_mib_file_goes_in_and_out_of_bulkhead_run_mount_intact() {
+        // Arrange
+        let tree = Tree::new();
+        let data = big_data();
+        let expected = sha256_hex(&data);
+        std::fs::write(tree.path("rw/in.bin"), &data).unwrap();
+        drop(data);
+        let share = format!("{}:/data", tree.path("rw").display());
+        let ro = format!("{}:/ro:ro", tree.path("ro").display());
+
+        // Act
+        let out = bulkhead_run(&[
+            "--mount",
+            &share,
+            "--mount",
+            &ro,
+            "--",
+            "sh",
+            "-ec",
+            "sha256sum /data/in.bin; cp /data/in.bin /data/out.bin; cat /ro/a.txt",
+        ]);
+
+        // Assert
+        assert!(out.status.success(), "{}", describe(&out));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout, format!("{expected}  /data/in.bin\nread-only a\n"));
+        let copied = std::fs::read(tree.path("rw/out.bin")).unwrap();
+        assert_eq!(copied.len(), BIG);
+        assert_eq!(sha256_hex(&copied), expected);
+        assert_eq!(tree.owner("rw/out.bin"), OWNER);
+    }
+);
+
+/// `bulkhead run ARGS...` with the test kernel and agent image.
+fn bulkhead_run(args: &[&str]) -> Output {
+    let a = artifacts();
+    Command::new(&a.cli)
+        .arg("run")
+        .args(args)
+        .env("BULKHEAD_KERNEL", &a.vmlinux)
+        .env("BULKHEAD_INITRD", &a.agent_initrd)
+        .env("BULKHEAD_VMM", &a.vmm)
+        .output()
+        .expect("run bulkhead")
+}
+
+// Bad --mount values are refused before any VM is started, on any host.
+
+#[test]
+fn a_missing_mount_source_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!("{}:/data", dir.path().join("nope").display());
+
+    let out = bulkhead_run(&["--mount", &spec, "--", "true"]);
+
+    assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("does not exist"),
+        "{}",
+        describe(&out)
+    );
+}
+
+#[test]
+fn a_file_as_mount_source_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("f");
+    std::fs::write(&file, b"x").unwrap();
+    let spec = format!("{}:/data:ro", file.display());
+
+    let out = bulkhead_run(&["--mount", &spec, "--", "true"]);
+
+    assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is not a directory"),
+        "{}",
+        describe(&out)
+    );
+}
+
+#[test]
+fn a_relative_guest_path_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!("{}:data:ro", dir.path().display());
+
+    let out = bulkhead_run(&["--mount", &spec, "--", "true"]);
+
+    assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not an absolute path"),
+        "{}",
+        describe(&out)
+    );
+}
+
+#[test]
+fn the_same_guest_path_twice_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!("{}:/data:ro", dir.path().display());
+
+    let out = bulkhead_run(&["--mount", &spec, "--mount", &spec, "--", "true"]);
+
+    assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("/data is given twice"),
+        "{}",
+        describe(&out)
+    );
+}
