@@ -33,6 +33,26 @@ pub const DEFAULT_MEMORY_MIB: u32 = 128;
 /// checked when the VM is built. Bounded by the MP table's 8-bit APIC IDs.
 pub const MAX_VCPUS: u8 = 254;
 
+/// Largest configuration file [`VmConfig::from_file`] reads (1 MiB): a real one is a few hundred
+/// bytes, and `--config /dev/zero` must be an error, not an unbounded read.
+pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
+
+/// Reads `path` as UTF-8, failing with `InvalidData` when it holds more than `max` bytes.
+fn read_bounded(path: &Path, max: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(max + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {max} bytes"),
+        ));
+    }
+    Ok(text)
+}
+
 /// Errors from reading or validating a configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -274,13 +294,13 @@ impl VmConfig {
         }
     }
 
-    /// Reads and validates a JSON configuration file.
+    /// Reads and validates a JSON configuration file (at most [`MAX_CONFIG_FILE_BYTES`]).
     ///
     /// # Errors
     /// [`Error::Read`], [`Error::Parse`] (unknown fields are rejected), and what [`Self::validate`]
     /// reports.
     pub fn from_file(path: &Path) -> Result<Self, Error> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+        let text = read_bounded(path, MAX_CONFIG_FILE_BYTES).map_err(|source| Error::Read {
             path: path.to_owned(),
             source,
         })?;
@@ -400,6 +420,14 @@ mod tests {
         cfg.memory_mib = 0;
         let err = cfg.validate().unwrap_err();
         assert!(err.to_string().contains("got 0 MiB"), "{err}");
+    }
+
+    #[test]
+    fn an_endless_config_file_is_refused_after_a_bounded_read() {
+        let err = VmConfig::from_file(Path::new("/dev/zero")).unwrap_err();
+
+        assert!(matches!(err, Error::Read { .. }), "{err}");
+        assert!(err.to_string().contains("larger than"), "{err}");
     }
 
     #[test]
