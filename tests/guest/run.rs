@@ -202,6 +202,75 @@ guest_test!(
 );
 
 guest_test!(
+    fn sigterm_while_the_vm_boots_stops_everything_and_leaves_no_runtime_files() {
+        // Arrange: start a run and wait until its VMM has been given its config.
+        let a = artifacts();
+        let runtime = socket_dir();
+        let mut child = Command::new(&a.cli)
+            .args(["run", "--", "true"])
+            .env("BULKHEAD_KERNEL", &a.vmlinux)
+            .env("BULKHEAD_INITRD", &a.agent_initrd)
+            .env("BULKHEAD_VMM", &a.vmm)
+            .env("BULKHEAD_RUNTIME_DIR", runtime.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn bulkhead");
+        let vm_json = wait_for_vm_json(runtime.path());
+
+        // Act
+        // SAFETY: SIGTERM to our own child process.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+
+        // Assert
+        let mut stderr = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert_eq!(
+            status.code(),
+            Some(128 + libc::SIGTERM),
+            "{status}: {stderr}"
+        );
+        let left: Vec<_> = std::fs::read_dir(runtime.path()).unwrap().collect();
+        assert!(left.is_empty(), "runtime files left: {left:?}");
+        assert!(!vm_json.exists());
+    }
+);
+
+/// Waits (up to 120 s) until a sandbox config `*/sb-*/vm.json` appears below `dir`.
+fn wait_for_vm_json(dir: &std::path::Path) -> std::path::PathBuf {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let found = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .flat_map(|run| {
+                std::fs::read_dir(run.path())
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+            })
+            .map(|sb| sb.path().join("vm.json"))
+            .find(|p| p.is_file());
+        if let Some(path) = found {
+            return path;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no vm.json under {dir:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+guest_test!(
     fn a_kernel_without_vsock_is_a_clear_error() {
         let kernel = kernel_without_vsock();
 

@@ -13,6 +13,8 @@ use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
+use crate::signals::SignalRouter;
+
 /// Exit status reported when `--timeout` expired (as coreutils `timeout` does).
 pub const EXIT_TIMEOUT: u8 = 124;
 
@@ -91,7 +93,7 @@ fn seconds(what: &str, secs: f64) -> Result<Duration, String> {
 /// # Errors
 /// A message for everything that is bulkhead's failure rather than the command's.
 pub fn run(args: RunArgs) -> Result<u8, String> {
-    let config = sandbox_config(&args)?;
+    let mut config = sandbox_config(&args)?;
     let request = exec_request(&args)?;
     let storage = storage(&args)?;
     // Bad images and disks are the user's to fix on any host: report them first.
@@ -100,10 +102,16 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let kvm = host_kvm();
     if !kvm.can_boot_stock_kernel() {
         return Err(format!(
-            "{}; run bulkhead inside the nested test host instead: `bulkhead-testhost run -- bulkhead run -- CMD` (see README)",
-            kvm.explain()
+            "{}; run bulkhead inside the nested test host instead: `{}` (see README)",
+            kvm.explain(),
+            testhost_hint()
         ));
     }
+    // This run's own directory for the sandbox's runtime files, so a signal during the boot
+    // can remove them (see `signals`); removed at the end of a normal run too.
+    let run_dir = run_dir(&config.runtime_dir)?;
+    config.runtime_dir = run_dir.path().to_owned();
+    let router = SignalRouter::install(run_dir.path().to_owned())?;
     let sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
     if args.timings {
         let t = sandbox.timings();
@@ -113,13 +121,25 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
             t.ready.as_secs_f64() * 1e3
         );
     }
-    let outcome = run_command(&sandbox, &request);
+    let outcome = run_command(&sandbox, &request, &router);
     let destroyed = sandbox.destroy();
     let status = outcome?;
     if let Err(e) = destroyed {
         eprintln!("bulkhead: warning: {e}");
     }
     Ok(exit_code(&status))
+}
+
+/// Creates this run's directory under `parent` (created if missing).
+fn run_dir(parent: &Path) -> Result<tempfile::TempDir, String> {
+    std::fs::create_dir_all(parent)
+        .and_then(|()| tempfile::Builder::new().prefix("run-").tempdir_in(parent))
+        .map_err(|e| {
+            format!(
+                "cannot create a runtime directory in {}: {e}",
+                parent.display()
+            )
+        })
 }
 
 fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
@@ -140,6 +160,21 @@ fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
         config.console = SerialOutput::File(console.clone());
     }
     Ok(config)
+}
+
+/// The `bulkhead-testhost` command line that runs this `bulkhead` in the nested test host: the
+/// binaries' directory and the data directory shared at the same paths, the data directory named
+/// explicitly (the test host's HOME differs).
+fn testhost_hint() -> String {
+    let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"));
+    let bin_dir = exe.parent().unwrap_or(Path::new("/")).to_owned();
+    let data = bulkhead_sandbox::paths::data_dir();
+    format!(
+        "bulkhead-testhost run --share {bin} --share {data} -e BULKHEAD_DATA_DIR={data} -- {exe} run -- CMD",
+        bin = bin_dir.display(),
+        data = data.display(),
+        exe = exe.display()
+    )
 }
 
 fn storage(args: &RunArgs) -> Result<Storage, String> {
@@ -193,10 +228,14 @@ fn default_env(overrides: &[String]) -> Vec<String> {
     env
 }
 
-fn run_command(sandbox: &Sandbox, request: &ExecRequest) -> Result<ExitStatus, String> {
+fn run_command(
+    sandbox: &Sandbox,
+    request: &ExecRequest,
+    router: &SignalRouter,
+) -> Result<ExitStatus, String> {
     let session = sandbox.exec(request).map_err(|e| e.to_string())?;
     let (writer, mut reader) = session.split();
-    forward_signals(writer.clone())?;
+    router.command_started(writer.clone());
     forward_stdin(writer);
     let mut stdout = io::stdout().lock();
     let mut stderr = io::stderr();
@@ -242,24 +281,6 @@ fn forward_stdin(writer: ExecWriter) {
         }
         let _ = writer.close_stdin();
     });
-}
-
-/// Forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT received by `bulkhead run` to the command's
-/// process group in the guest (as `docker run` does), so Ctrl-C stops the command and the VM is
-/// then torn down normally. If `bulkhead run` is killed outright, the VMM gets SIGTERM through
-/// its parent-death signal.
-fn forward_signals(writer: ExecWriter) -> Result<(), String> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
-        .map_err(|e| format!("cannot install signal handlers: {e}"))?;
-    thread::spawn(move || {
-        for sig in signals.forever() {
-            if writer.signal(sig).is_err() {
-                break;
-            }
-        }
-    });
-    Ok(())
 }
 
 /// The process exit status for the command's status.
