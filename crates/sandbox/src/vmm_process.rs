@@ -118,6 +118,14 @@ impl Adopted {
         if start_time_of(pid).ok() != Some(start_time) {
             return Err(not_ours());
         }
+        // A VMM that died but is not reaped yet (a zombie, e.g. reparented to a slow init)
+        // still has its pid and start time; its pidfd is already readable.
+        if process::wait_pidfd(&pidfd, Duration::ZERO)? {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("process {pid} has exited"),
+            ));
+        }
         Ok(Adopted { pid, pidfd })
     }
 
@@ -239,6 +247,25 @@ mod tests {
         // Assert
         assert_eq!(result.unwrap_err().kind(), io::ErrorKind::NotFound);
         child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn a_dead_but_unreaped_process_is_not_adopted() {
+        // Arrange: a child killed but not waited for stays a zombie with its pid and start time.
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        let started = start_time_of(pid).unwrap();
+        // SAFETY: kill(2) of our own, not yet reaped child.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        let pidfd = pidfd_open(pid).unwrap();
+        assert!(process::wait_pidfd(&pidfd, Duration::from_secs(10)).unwrap());
+
+        // Act
+        let result = Adopted::open(pid, started);
+
+        // Assert
+        assert_eq!(result.unwrap_err().kind(), io::ErrorKind::NotFound);
         child.wait().unwrap();
     }
 }
