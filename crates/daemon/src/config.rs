@@ -109,8 +109,14 @@ pub struct Config {
     pub max_sandboxes: usize,
     /// Longest TTL a request may ask for, seconds; None: unlimited. Default: none.
     pub max_ttl_s: Option<u64>,
-    /// How long a VM may take to boot until its agent is ready, seconds. Default 60.
+    /// How long a VM may take to boot until its agent is ready, seconds (counted from the start
+    /// of its boot, after any wait for a boot slot). Default 60.
     pub boot_timeout_s: u64,
+    /// Most VMs booting at once; further creates wait (in state `creating`) for a slot. Boots
+    /// are CPU-bound: booting far more guests than the host has CPUs makes every one of them
+    /// slower (in the nested test host, with its costly VM exits, 6+ simultaneous boots on 2 CPUs
+    /// made no progress for minutes). Default: the host's CPU count.
+    pub max_concurrent_boots: Option<usize>,
     /// Largest file accepted by `PUT .../files`, bytes. Default 1 GiB.
     pub max_file_bytes: u64,
     /// Largest output (stdout + stderr) of `POST .../exec/collect`, bytes. Default 16 MiB.
@@ -141,6 +147,7 @@ impl Default for Config {
             max_sandboxes: 256,
             max_ttl_s: None,
             boot_timeout_s: 60,
+            max_concurrent_boots: None,
             max_file_bytes: 1 << 30,
             max_collect_bytes: 16 << 20,
         }
@@ -270,7 +277,17 @@ impl Config {
         if self.boot_timeout_s == 0 {
             return invalid("boot_timeout_s must be positive");
         }
+        if self.max_concurrent_boots == Some(0) {
+            return invalid("max_concurrent_boots must be positive");
+        }
         Ok(())
+    }
+
+    /// How many VMs may boot at once: `max_concurrent_boots`, else the host's CPU count.
+    pub fn boot_slots(&self) -> usize {
+        self.max_concurrent_boots.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        })
     }
 
     /// Parent of the VMs' runtime directories: `runtime_dir`, else the socket's directory.
@@ -346,5 +363,26 @@ mod tests {
 
         // Assert
         assert!(err.to_string().contains("sokcet"), "{err}");
+    }
+
+    #[test]
+    fn boot_slots_default_to_the_cpu_count_and_zero_is_rejected() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let zero = dir.path().join("zero.toml");
+        let two = dir.path().join("two.toml");
+        std::fs::write(&zero, "max_concurrent_boots = 0\n").unwrap();
+        std::fs::write(&two, "max_concurrent_boots = 2\n").unwrap();
+        let cpus = std::thread::available_parallelism().unwrap().get();
+
+        // Act
+        let default = Config::default().boot_slots();
+        let err = Config::load(Some(&zero), &Overrides::default()).unwrap_err();
+        let configured = Config::load(Some(&two), &Overrides::default()).unwrap();
+
+        // Assert
+        assert_eq!(default, cpus);
+        assert!(err.to_string().contains("max_concurrent_boots"), "{err}");
+        assert_eq!(configured.boot_slots(), 2);
     }
 }

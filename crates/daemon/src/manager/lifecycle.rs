@@ -30,10 +30,13 @@ impl Manager {
         let config = self.sandbox_config(&record, &plan);
         let cgroups = self.inner.cgroups.clone();
         let limits = plan.limits;
+        // Wait for a boot slot (the semaphore is never closed); the boot timeout starts after.
+        let slot = self.inner.boot_slots.acquire().await;
         let booted =
             tokio::task::spawn_blocking(move || boot(&record, config, cgroups.as_ref(), &limits))
                 .await
                 .unwrap_or_else(|e| Err(format!("the boot task failed: {e}")));
+        drop(slot);
         let sandbox = match booted {
             Ok(sandbox) => sandbox,
             Err(message) => {

@@ -99,6 +99,8 @@ struct Inner {
     metrics: Metrics,
     entries: Mutex<HashMap<String, Arc<Entry>>>,
     shutting_down: AtomicBool,
+    /// One permit per VM allowed to boot at once ([`Config::boot_slots`]).
+    boot_slots: tokio::sync::Semaphore,
 }
 
 /// The sandbox manager. Cheap to clone (shared state).
@@ -131,6 +133,7 @@ impl Manager {
             .map_err(|e| format!("cannot create {}: {e}", config.vm_runtime_root().display()))?;
         let manager = Manager {
             inner: Arc::new(Inner {
+                boot_slots: tokio::sync::Semaphore::new(config.boot_slots()),
                 config,
                 cgroups,
                 store,

@@ -83,10 +83,21 @@ mod tests {
         let marker = dir.path().join("sb-1/vm.json");
         let mut child = Command::new("sh")
             .arg("-c")
-            .arg("sleep 30")
+            // Not just `sleep 30`, which sh may exec in its place (losing the marker argument).
+            .arg("sleep 30; :")
             .arg(&marker)
             .spawn()
             .unwrap();
+        // Until the child has exec'd, its command line is still this test's.
+        let cmdline = format!("/proc/{}/cmdline", child.id());
+        let started = std::time::Instant::now();
+        while !std::fs::read(&cmdline)
+            .unwrap_or_default()
+            .starts_with(b"sh\0")
+        {
+            assert!(started.elapsed().as_secs() < 10, "the child never exec'd");
+            std::thread::yield_now();
+        }
 
         // Act
         let found = processes_under(dir.path());

@@ -4,6 +4,8 @@
 //! way systemd does: the daemon's `READY=1` on a `NOTIFY_SOCKET` datagram socket.
 #![allow(dead_code)]
 
+pub mod real;
+
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::net::UnixDatagram;
