@@ -22,9 +22,10 @@ log() { printf '==> %s\n' "$*" >&2; }
 SUDO=()
 [[ "$(id -u)" -eq 0 ]] || SUDO=(sudo)
 
-# Debian packages: QEMU + busybox + cpio for the test host and images, a C toolchain for -sys
+# Debian packages: QEMU + busybox + cpio for the test host and images, mmdebstrap for the Debian
+# root file-system image, a C toolchain for -sys
 # crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps).
-PKGS=(qemu-system-x86 busybox-static cpio gzip gcc make util-linux e2fsprogs)
+PKGS=(qemu-system-x86 busybox-static cpio gzip gcc make util-linux e2fsprogs mmdebstrap)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
