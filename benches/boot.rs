@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Sandbox, SandboxConfig};
-use bulkhead_tests::{artifacts, run_here_or_delegate, scratch_dir, target_dir};
+use bulkhead_tests::bench::{print_table, write_json, Row};
+use bulkhead_tests::{artifacts, run_here_or_delegate, scratch_dir};
 use bulkhead_vmm::TimelineMs;
 
 fn main() {
@@ -48,7 +49,7 @@ fn bench() {
     rows.push(Row::new("run: spawn → exit status of `true`", done));
     rows.push(Row::new("exec: round trip of `true`", exec_runs(execs)));
     print_table(&rows);
-    write_json(&rows);
+    write_json(&rows, "boot.json");
 }
 
 /// Boots the test init `runs` times; returns (init ms, exit ms) from the VMM's timeline.
@@ -129,52 +130,4 @@ fn exec_runs(execs: usize) -> Vec<f64> {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-struct Row {
-    name: &'static str,
-    samples: Vec<f64>,
-}
-
-impl Row {
-    fn new(name: &'static str, mut samples: Vec<f64>) -> Self {
-        samples.sort_by(f64::total_cmp);
-        Row { name, samples }
-    }
-
-    fn pct(&self, p: f64) -> f64 {
-        let idx = ((self.samples.len() as f64 - 1.0) * p).round() as usize;
-        self.samples[idx.min(self.samples.len() - 1)]
-    }
-}
-
-fn print_table(rows: &[Row]) {
-    println!(
-        "{:<38} {:>5} {:>10} {:>10} {:>10} {:>10}",
-        "phase", "n", "p50 ms", "p90 ms", "min ms", "max ms"
-    );
-    for r in rows {
-        println!(
-            "{:<38} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
-            r.name,
-            r.samples.len(),
-            r.pct(0.5),
-            r.pct(0.9),
-            r.samples[0],
-            r.samples[r.samples.len() - 1]
-        );
-    }
-}
-
-fn write_json(rows: &[Row]) {
-    let dir = target_dir().join("bulkhead-bench");
-    let _ = std::fs::create_dir_all(&dir);
-    let json: Vec<_> = rows
-        .iter()
-        .map(|r| serde_json::json!({"phase": r.name, "samples_ms": r.samples, "p50_ms": r.pct(0.5), "p90_ms": r.pct(0.9)}))
-        .collect();
-    let _ = std::fs::write(
-        dir.join("boot.json"),
-        serde_json::to_string_pretty(&json).unwrap_or_default(),
-    );
 }

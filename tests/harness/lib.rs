@@ -26,6 +26,7 @@ use bulkhead_testhost::{
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
 mod artifacts;
+pub mod bench;
 
 pub use artifacts::{artifacts, kernel_without_vsock, Artifacts};
 

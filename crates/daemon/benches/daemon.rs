@@ -20,7 +20,8 @@ mod common;
 use std::time::Instant;
 
 use bulkhead_client::{Client, ExecEvent, ExecSpec};
-use bulkhead_tests::{run_here_or_delegate, target_dir};
+use bulkhead_tests::bench::{print_table, write_json, Row};
+use bulkhead_tests::run_here_or_delegate;
 use common::real::{real_daemon, small, vm_logs};
 
 /// Guest RAM of each benchmarked sandbox, MiB.
@@ -74,14 +75,14 @@ fn bench() {
     assert_eq!(daemon.leftovers(&[]), Vec::<String>::new());
 
     let rows = [
-        Row::new("create → first exec output, sequential".into(), sequential),
+        Row::new("create → first exec output, sequential", sequential),
         Row::new(
             format!("create → first exec output, burst of {burst} (x{bursts})"),
             pooled,
         ),
     ];
     print_table(&rows);
-    write_json(&rows);
+    write_json(&rows, "daemon.json");
 }
 
 /// One sample: create, exec `echo hi` until its first output, delete. Returns the ms from the
@@ -113,59 +114,4 @@ async fn create_to_first_output(client: &Client) -> Result<f64, String> {
         .await
         .map_err(|e| format!("delete: {e}"))?;
     first
-}
-
-struct Row {
-    name: String,
-    samples: Vec<f64>,
-}
-
-impl Row {
-    fn new(name: String, mut samples: Vec<f64>) -> Self {
-        samples.sort_by(f64::total_cmp);
-        Row { name, samples }
-    }
-
-    fn pct(&self, p: f64) -> f64 {
-        let idx = ((self.samples.len() as f64 - 1.0) * p).round() as usize;
-        self.samples[idx.min(self.samples.len() - 1)]
-    }
-}
-
-fn print_table(rows: &[Row]) {
-    println!(
-        "{:<52} {:>5} {:>10} {:>10} {:>10} {:>10}",
-        "phase", "n", "p50 ms", "p90 ms", "min ms", "max ms"
-    );
-    for r in rows {
-        println!(
-            "{:<52} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
-            r.name,
-            r.samples.len(),
-            r.pct(0.5),
-            r.pct(0.9),
-            r.samples[0],
-            r.samples[r.samples.len() - 1]
-        );
-    }
-}
-
-fn write_json(rows: &[Row]) {
-    let dir = target_dir().join("bulkhead-bench");
-    let _ = std::fs::create_dir_all(&dir);
-    let json: Vec<_> = rows
-        .iter()
-        .map(|r| {
-            serde_json::json!({
-                "phase": r.name,
-                "samples_ms": r.samples,
-                "p50_ms": r.pct(0.5),
-                "p90_ms": r.pct(0.9),
-            })
-        })
-        .collect();
-    let _ = std::fs::write(
-        dir.join("daemon.json"),
-        serde_json::to_string_pretty(&json).unwrap_or_default(),
-    );
 }
