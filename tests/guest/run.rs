@@ -161,35 +161,15 @@ guest_test!(
 
 guest_test!(
     fn sigterm_to_bulkhead_run_reaches_the_command_and_the_vm_is_torn_down() {
-        let a = artifacts();
         let runtime = socket_dir();
-        let mut child = Command::new(&a.cli)
-            .args(["run", "--", "sh", "-c", "echo started; sleep 100"])
-            .env("BULKHEAD_KERNEL", &a.vmlinux)
-            .env("BULKHEAD_INITRD", &a.agent_initrd)
-            .env("BULKHEAD_VMM", &a.vmm)
-            .env("BULKHEAD_RUNTIME_DIR", runtime.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn bulkhead");
+        let mut child = spawn_run(&["sh", "-c", "echo started; sleep 100"], runtime.path());
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
         assert_eq!(line, "started\n");
 
-        // SAFETY: SIGTERM to our own child process.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let status = child.wait().unwrap();
-        let mut stderr = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut stderr)
-            .unwrap();
+        let (status, stderr) = sigterm_and_wait(&mut child);
 
         assert_eq!(
             status.code(),
@@ -204,34 +184,14 @@ guest_test!(
 guest_test!(
     fn sigterm_while_the_vm_boots_stops_everything_and_leaves_no_runtime_files() {
         // Arrange: start a run and wait until its VMM has been given its config.
-        let a = artifacts();
         let runtime = socket_dir();
-        let mut child = Command::new(&a.cli)
-            .args(["run", "--", "true"])
-            .env("BULKHEAD_KERNEL", &a.vmlinux)
-            .env("BULKHEAD_INITRD", &a.agent_initrd)
-            .env("BULKHEAD_VMM", &a.vmm)
-            .env("BULKHEAD_RUNTIME_DIR", runtime.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn bulkhead");
+        let mut child = spawn_run(&["true"], runtime.path());
         let vm_json = wait_for_vm_json(runtime.path());
 
         // Act
-        // SAFETY: SIGTERM to our own child process.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let status = child.wait().unwrap();
+        let (status, stderr) = sigterm_and_wait(&mut child);
 
         // Assert
-        let mut stderr = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut stderr)
-            .unwrap();
         assert_eq!(
             status.code(),
             Some(128 + libc::SIGTERM),
@@ -242,6 +202,40 @@ guest_test!(
         assert!(!vm_json.exists());
     }
 );
+
+/// Starts `bulkhead run -- CMD` with the test kernel and image, its runtime files in `runtime`,
+/// stdout and stderr piped.
+fn spawn_run(cmd: &[&str], runtime: &std::path::Path) -> std::process::Child {
+    let a = artifacts();
+    Command::new(&a.cli)
+        .arg("run")
+        .arg("--")
+        .args(cmd)
+        .env("BULKHEAD_KERNEL", &a.vmlinux)
+        .env("BULKHEAD_INITRD", &a.agent_initrd)
+        .env("BULKHEAD_VMM", &a.vmm)
+        .env("BULKHEAD_RUNTIME_DIR", runtime)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn bulkhead")
+}
+
+/// Sends SIGTERM to `child` and returns its exit status and stderr.
+fn sigterm_and_wait(child: &mut std::process::Child) -> (std::process::ExitStatus, String) {
+    // SAFETY: SIGTERM to our own child process, not yet reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status, stderr)
+}
 
 /// Waits (up to 120 s) until a sandbox config `*/sb-*/vm.json` appears below `dir`.
 fn wait_for_vm_json(dir: &std::path::Path) -> std::path::PathBuf {
