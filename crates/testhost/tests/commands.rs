@@ -19,7 +19,9 @@ struct Fixture {
 fn fixture() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
-        let shared = tempfile::tempdir().unwrap();
+        // A static is never dropped, so the directory outlives the run: keep it under
+        // target/tmp (removed by `cargo clean`), not in the system temp directory.
+        let shared = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let bin = PathBuf::from(env!("CARGO_BIN_EXE_bulkhead-testhost"));
         let bin_dir = bin.parent().unwrap().to_path_buf();
         let cfg = TestHostConfig {
