@@ -120,7 +120,7 @@ pub struct RmArgs {
     #[command(flatten)]
     daemon: DaemonOpts,
     /// Sandbox IDs.
-    #[arg(required = true)]
+    #[arg(required = true, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     ids: Vec<String>,
 }
 

@@ -36,7 +36,7 @@ fn init_logging() {
     let builder = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(filter)
-        .with_ansi(!journald);
+        .with_ansi(!journald && std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if journald {
         builder.without_time().init();
     } else {
