@@ -239,13 +239,17 @@ fn run_command(
     forward_stdin(writer);
     let mut stdout = io::stdout().lock();
     let mut stderr = io::stderr();
+    let mut lost: Option<io::Error> = None;
     loop {
         match reader.next_event().map_err(|e| e.to_string())? {
-            Some(ExecEvent::Stdout(bytes)) => write_out(&mut stdout, &bytes),
-            Some(ExecEvent::Stderr(bytes)) => write_out(&mut stderr, &bytes),
+            Some(ExecEvent::Stdout(bytes)) => write_out(&mut stdout, &bytes, &mut lost),
+            Some(ExecEvent::Stderr(bytes)) => write_out(&mut stderr, &bytes, &mut lost),
             Some(ExecEvent::Exit(status)) => {
                 let _ = stdout.flush();
-                return Ok(status);
+                return match lost {
+                    Some(e) => Err(format!("writing the command's output failed: {e}")),
+                    None => Ok(status),
+                };
             }
             None => {
                 return Err("the guest agent closed the connection without an exit status".into())
@@ -254,10 +258,18 @@ fn run_command(
     }
 }
 
-fn write_out(out: &mut impl Write, bytes: &[u8]) {
-    // A closed stdout/stderr on our side must not abort the command's run.
-    if out.write_all(bytes).and_then(|()| out.flush()).is_err() {
-        tracing::debug!("local output closed");
+/// Writes command output to our stdout/stderr. A reader that went away (EPIPE, e.g. `| head`)
+/// is not an error: the command runs on, as it would on a local pipe. Any other write error
+/// means output was lost; the first is kept in `lost` so the run fails (exit 125) instead of
+/// silently returning truncated output.
+fn write_out(out: &mut impl Write, bytes: &[u8], lost: &mut Option<io::Error>) {
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => tracing::debug!("local output closed"),
+        Err(e) => {
+            tracing::debug!("writing output: {e}");
+            lost.get_or_insert(e);
+        }
     }
 }
 
@@ -299,6 +311,29 @@ fn exit_code(status: &ExitStatus) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A writer that fails every write with `kind`.
+    struct Failing(io::ErrorKind);
+
+    impl Write for Failing {
+        fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+            Err(io::Error::from(self.0))
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_reader_that_went_away_is_not_lost_output_but_a_failing_write_is() {
+        let (mut gone, mut full) = (None, None);
+
+        write_out(&mut Failing(io::ErrorKind::BrokenPipe), b"x", &mut gone);
+        write_out(&mut Failing(io::ErrorKind::StorageFull), b"x", &mut full);
+
+        assert!(gone.is_none());
+        assert_eq!(full.map(|e| e.kind()), Some(io::ErrorKind::StorageFull));
+    }
 
     #[test]
     fn signals_map_to_128_plus_n_and_timeouts_to_124() {
