@@ -216,16 +216,20 @@ fn without_rx_buffers_host_data_waits_until_the_guest_posts_some() {
     assert_eq!(after[0].data, b"waiting");
 }
 
-#[test]
-fn four_mib_from_guest_to_host_arrive_intact() {
+/// Sends `data` from a guest connection as fast as the device's credit allows, letting `read`
+/// take what it will from the host client's socket each round, for at most `rounds` rounds.
+/// Returns what the host received.
+fn guest_to_host(
+    data: &[u8],
+    rounds: usize,
+    mut read: impl FnMut(&mut UnixStream, &mut Vec<u8>),
+) -> Vec<u8> {
     let mut h = Harness::new();
     let (mut g, mut stream) = connect_from_guest(&mut h, 5000, 1234);
     stream.set_nonblocking(true).unwrap();
-    let data = pattern(4 << 20, 4);
     let mut sent = 0usize;
     let mut received = Vec::new();
-
-    for _ in 0..100_000 {
+    for _ in 0..rounds {
         if received.len() == data.len() {
             break;
         }
@@ -237,10 +241,18 @@ fn four_mib_from_guest_to_host_arrive_intact() {
             sent += n;
         }
         h.kick_tx();
-        read_available(&mut stream, &mut received);
+        read(&mut stream, &mut received);
         h.settle();
         g.observe_all(&h.recv());
     }
+    received
+}
+
+#[test]
+fn four_mib_from_guest_to_host_arrive_intact() {
+    let data = pattern(4 << 20, 4);
+
+    let received = guest_to_host(&data, 100_000, read_available);
 
     assert_eq!(received.len(), data.len());
     assert!(received == data, "payload corrupted");
@@ -250,39 +262,19 @@ fn four_mib_from_guest_to_host_arrive_intact() {
 fn four_mib_from_guest_to_a_slow_host_reader_arrive_intact() {
     // Arrange: the host client reads at most 4 KiB per round, far slower than the guest sends,
     // so the Unix socket is full most of the time and only credit updates let the guest go on.
-    let mut h = Harness::new();
-    let (mut g, mut stream) = connect_from_guest(&mut h, 5000, 1234);
-    stream.set_nonblocking(true).unwrap();
     let data = pattern(4 << 20, 5);
-    let mut sent = 0usize;
-    let mut received = Vec::new();
     let mut buf = vec![0u8; 4096];
+    let read_4k = |stream: &mut UnixStream, out: &mut Vec<u8>| match stream.read(&mut buf) {
+        Ok(n) => out.extend_from_slice(&buf[..n]),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        Err(e) => panic!("client read: {e}"),
+    };
 
     // Act
-    for _ in 0..1_000_000 {
-        if received.len() == data.len() {
-            break;
-        }
-        while sent < data.len() && g.dev_credit() > 0 && h.tx.free_count() >= 2 {
-            let n = (g.dev_credit().min(MAX_PKT_DATA) as usize).min(data.len() - sent);
-            let hdr = g.hdr(Op::Rw, n as u32);
-            h.push_tx(&hdr, &data[sent..sent + n]);
-            g.tx_cnt += n as u32;
-            sent += n;
-        }
-        h.kick_tx();
-        match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => received.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => panic!("client read: {e}"),
-        }
-        h.settle();
-        g.observe_all(&h.recv());
-    }
+    let received = guest_to_host(&data, 1_000_000, read_4k);
 
     // Assert
-    assert_eq!(received.len(), data.len(), "sent {sent}");
+    assert_eq!(received.len(), data.len());
     assert!(received == data, "payload corrupted");
 }
 
