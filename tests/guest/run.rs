@@ -84,6 +84,22 @@ guest_test!(
 );
 
 guest_test!(
+    fn many_small_writes_arrive_complete_and_in_order() {
+        // Arrange: `seq` writes its 2 MB one line per write(2), so the agent sends many small
+        // frames (a reviewer saw this output arrive altered once).
+        let expected: String = (1..=300_000).map(|i| format!("{i}\n")).collect();
+
+        // Act
+        let out = bulkhead_run(&["--", "seq", "1", "300000"], b"");
+
+        // Assert
+        assert!(out.status.success(), "{}", describe(&out));
+        assert_eq!(out.stdout.len(), expected.len());
+        assert!(out.stdout == expected.as_bytes(), "output altered");
+    }
+);
+
+guest_test!(
     fn ten_mib_piped_into_stdin_arrive_byte_identical() {
         let data: Vec<u8> = (0..10u32 << 20)
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
