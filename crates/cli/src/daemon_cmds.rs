@@ -43,9 +43,15 @@ pub struct CreateArgs {
     /// Kernel name from the daemon's kernels directory.
     #[arg(long, value_name = "NAME")]
     kernel: Option<String>,
-    /// Image name from the daemon's images directory.
+    /// Root filesystem image: a name from the daemon's image store (`bulkhead image ls` run
+    /// with the daemon's data directory). Shared read-only; the sandbox writes to a private
+    /// layer that vanishes with it.
     #[arg(long, value_name = "NAME")]
     image: Option<String>,
+    /// Keep the writable layer of --image on a scratch disk of this many MiB (sparse, deleted
+    /// with the sandbox) instead of in guest RAM.
+    #[arg(long = "disk", value_name = "MIB", requires = "image")]
+    disk_mib: Option<u64>,
     /// Environment for every command in the sandbox (repeatable).
     #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = key_value)]
     env: Vec<(String, String)>,
@@ -165,20 +171,26 @@ fn block_on(future: impl std::future::Future<Output = Result<u8, String>>) -> Ex
     }
 }
 
+/// The create request of `bulkhead create`'s arguments.
+fn create_spec(args: &CreateArgs) -> CreateSandbox {
+    CreateSandbox {
+        vcpus: args.vcpus,
+        memory_mib: args.memory,
+        cpu_quota: args.cpu_quota,
+        pids_max: args.pids_max,
+        kernel: args.kernel.clone(),
+        image: args.image.clone(),
+        disk_mib: args.disk_mib,
+        env: args.env.iter().cloned().collect(),
+        ttl_s: args.ttl,
+        labels: args.labels.iter().cloned().collect(),
+    }
+}
+
 /// `bulkhead create`.
 pub fn create(args: CreateArgs) -> ExitCode {
     block_on(async move {
-        let spec = CreateSandbox {
-            vcpus: args.vcpus,
-            memory_mib: args.memory,
-            cpu_quota: args.cpu_quota,
-            pids_max: args.pids_max,
-            kernel: args.kernel,
-            image: args.image,
-            env: args.env.into_iter().collect(),
-            ttl_s: args.ttl,
-            labels: args.labels.into_iter().collect(),
-        };
+        let spec = create_spec(&args);
         let info = args
             .daemon
             .client()
@@ -357,7 +369,33 @@ pub fn logs(args: LogsArgs) -> ExitCode {
 
 #[cfg(test)]
 mod tests {
+    use clap::{Args, Command, FromArgMatches};
+
     use super::*;
+
+    fn parse_create(args: &[&str]) -> Result<CreateArgs, clap::Error> {
+        let command = CreateArgs::augment_args(Command::new("create"));
+        let matches =
+            command.try_get_matches_from(std::iter::once("create").chain(args.iter().copied()))?;
+        CreateArgs::from_arg_matches(&matches)
+    }
+
+    #[test]
+    fn create_passes_image_and_disk_through_and_disk_needs_an_image() {
+        // Arrange / Act
+        let with_both =
+            parse_create(&["--image", "debian", "--disk", "512"]).map(|a| create_spec(&a));
+        let image_only = parse_create(&["--image", "debian"]).map(|a| create_spec(&a));
+        let disk_only = parse_create(&["--disk", "512"]);
+
+        // Assert
+        let with_both = with_both.unwrap();
+        assert_eq!(with_both.image.as_deref(), Some("debian"));
+        assert_eq!(with_both.disk_mib, Some(512));
+        assert_eq!(image_only.unwrap().disk_mib, None);
+        let err = disk_only.expect_err("--disk without --image must fail");
+        assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
 
     #[test]
     fn remote_paths_need_an_id_and_an_absolute_path() {

@@ -46,9 +46,17 @@ pub struct CreateSandbox {
     /// Name of a kernel in the daemon's kernels directory. None: the daemon's default kernel.
     #[serde(default)]
     pub kernel: Option<String>,
-    /// Name of a guest image in the daemon's images directory. None: the default image.
+    /// Name of a root filesystem image in the daemon's image store (`bulkhead image ls` with the
+    /// daemon's data directory; 1-64 characters of `a-z 0-9 . _ -`), attached read-only and
+    /// shared; the sandbox writes to a private layer that vanishes with it. None: no image, the
+    /// guest runs from the daemon's initramfs (busybox).
     #[serde(default)]
     pub image: Option<String>,
+    /// Size of the sandbox's writable scratch disk in MiB (at least 8; sparse, so only what the
+    /// guest writes takes host space; deleted with the sandbox), holding the writable layer of
+    /// `image`. Needs `image`. None: the writable layer is a tmpfs in guest RAM.
+    #[serde(default)]
+    pub disk_mib: Option<u64>,
     /// Environment every command in the sandbox starts with (an exec's own `env` overrides it).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -69,6 +77,7 @@ impl Default for CreateSandbox {
             pids_max: None,
             kernel: None,
             image: None,
+            disk_mib: None,
             env: BTreeMap::new(),
             ttl_s: None,
             labels: BTreeMap::new(),
@@ -128,7 +137,8 @@ pub struct Failure {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Limits {
-    /// cgroup memory limit, bytes: guest RAM plus the VMM allowance.
+    /// cgroup memory limit, bytes: guest RAM plus the VMM allowance (plus `disk_mib` when the
+    /// daemon's runtime directory, holding the scratch disks, is in host RAM: tmpfs).
     pub memory_bytes: u64,
     /// CPU quota as a fraction of one host CPU; None: none.
     pub cpu_quota: Option<f64>,
@@ -156,8 +166,11 @@ pub struct SandboxInfo {
     pub memory_mib: u32,
     /// Kernel name, or None for the default.
     pub kernel: Option<String>,
-    /// Image name, or None for the default.
+    /// Root filesystem image name, or None for none (the initramfs).
     pub image: Option<String>,
+    /// Scratch disk size, MiB, or None when the writable layer is in guest RAM.
+    #[serde(default)]
+    pub disk_mib: Option<u64>,
     /// Labels given at creation.
     pub labels: BTreeMap<String, String>,
     /// Host limits of the VMM process.

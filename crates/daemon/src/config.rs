@@ -76,14 +76,19 @@ pub struct Config {
     pub vmm_binary: PathBuf,
     /// Default guest kernel. Default `$BULKHEAD_KERNEL` or `<data dir>/kernel/<arch>/vmlinux`.
     pub kernel: PathBuf,
-    /// Default guest image (initramfs with the agent as `/init`). Default `$BULKHEAD_INITRD` or
+    /// The initramfs every VM boots (the agent as `/init`; with a root filesystem image it
+    /// mounts the image and moves into it). Default `$BULKHEAD_INITRD` or
     /// `<data dir>/images/default/initramfs.cpio.gz`.
     pub image: PathBuf,
     /// Directory of named kernels (`kernel: "NAME"` → `<kernels_dir>/NAME`). Default: none.
     pub kernels_dir: Option<PathBuf>,
-    /// Directory of named images (`image: "NAME"` → `<images_dir>/NAME/initramfs.cpio.gz`).
-    /// Default: none.
+    /// The image store's directory: `image: "NAME"` in a create request boots the root
+    /// filesystem image `<images_dir>/NAME/rootfs.ext4` built by `bulkhead image build`.
+    /// Default: `<data dir>/images`, the store `bulkhead image ls` shows with the daemon's
+    /// environment (`$BULKHEAD_DATA_DIR`, else `${XDG_DATA_HOME:-~/.local/share}/bulkhead`).
     pub images_dir: Option<PathBuf>,
+    /// Largest per-sandbox scratch disk (`disk_mib`), MiB. Default 65536.
+    pub max_disk_mib: u64,
     /// On SIGTERM: `destroy` (default) or `leave` the sandboxes.
     pub on_shutdown: ShutdownPolicy,
     /// On start, for sandboxes of an earlier run that still run: `adopt` (default) or `destroy`.
@@ -136,6 +141,7 @@ impl Default for Config {
             image: bulkhead_sandbox::paths::default_initrd(),
             kernels_dir: None,
             images_dir: None,
+            max_disk_mib: 65536,
             on_shutdown: ShutdownPolicy::Destroy,
             on_restart: RestartPolicy::Adopt,
             cgroups: CgroupMode::Auto,
@@ -172,7 +178,7 @@ pub struct Overrides {
     /// Default guest kernel.
     #[arg(long, value_name = "PATH")]
     pub kernel: Option<PathBuf>,
-    /// Default guest image (initramfs).
+    /// The initramfs every VM boots (the agent as /init).
     #[arg(long, value_name = "PATH")]
     pub image: Option<PathBuf>,
     /// cgroup support: auto, v1, v2 or off.
@@ -277,6 +283,9 @@ impl Config {
         if self.boot_timeout_s == 0 {
             return invalid("boot_timeout_s must be positive");
         }
+        if self.max_disk_mib < bulkhead_sandbox::storage::MIN_SCRATCH_MIB {
+            return invalid("max_disk_mib must be at least 8 (the smallest scratch disk)");
+        }
         if self.max_concurrent_boots == Some(0) {
             return invalid("max_concurrent_boots must be positive");
         }
@@ -288,6 +297,15 @@ impl Config {
         self.max_concurrent_boots.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         })
+    }
+
+    /// The image store that `image` names in create requests resolve in (see
+    /// [`Config::images_dir`]).
+    pub fn image_store(&self) -> bulkhead_image::ImageStore {
+        match &self.images_dir {
+            Some(dir) => bulkhead_image::ImageStore::at_images_dir(dir),
+            None => bulkhead_image::ImageStore::new(bulkhead_sandbox::paths::data_dir()),
+        }
     }
 
     /// Parent of the VMs' runtime directories: `runtime_dir`, else the socket's directory.

@@ -59,7 +59,13 @@ fn invalid_create_requests_are_refused_with_4xx() {
             r#"{"image":"../../etc"}"#,
             400,
             "invalid_request",
-            "image names",
+            "invalid image name",
+        ),
+        (
+            r#"{"disk_mib":64}"#,
+            400,
+            "invalid_request",
+            "disk_mib needs an image",
         ),
         (r#"{"ttl_s":0}"#, 400, "invalid_request", "ttl_s"),
     ];

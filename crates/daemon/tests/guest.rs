@@ -376,3 +376,92 @@ vm_test!(
         );
     }
 );
+
+/// Every scratch disk under the daemon's VM runtime root.
+fn scratch_disks(vms: &std::path::Path) -> Vec<std::path::PathBuf> {
+    common::list(vms)
+        .iter()
+        .flat_map(|sandbox| common::list(sandbox))
+        .map(|runtime| runtime.join("scratch.ext4"))
+        .filter(|path| path.exists())
+        .collect()
+}
+
+/// The Debian test image of the tests crate (built once and cached, outside the test host) in
+/// the daemon's image store, with a scratch disk: the image's userland runs, writes land on the
+/// scratch disk, and DELETE removes it.
+#[test]
+fn a_sandbox_on_the_debian_image_runs_python_writes_to_its_scratch_disk_and_delete_removes_it() {
+    let _serial = serial();
+    // Prepared here: inside the test host only the paths are computed.
+    let rootfs = bulkhead_tests::artifacts().debian_image();
+    let e2fs = bulkhead_tests::artifacts().e2fs_dir();
+    bulkhead_tests::in_vm_host(
+        "a_sandbox_on_the_debian_image_runs_python_writes_to_its_scratch_disk_and_delete_removes_it",
+        || {
+            // Arrange: the daemon formats scratch disks with the `mkfs.ext4` that runs in the
+            // test host (its initramfs has none); inner runs are single-threaded.
+            let path = std::env::var("PATH").unwrap_or_default();
+            std::env::set_var("PATH", format!("{}:{path}", e2fs.display()));
+            let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
+            let images = image_dir.parent().expect("<images>");
+            let name = image_dir.file_name().unwrap().to_str().unwrap();
+            let daemon = real_daemon(&format!("images_dir = {images:?}\n"), &[]);
+            let client = daemon.client();
+            let rt = rt();
+            let spec = bulkhead_client::CreateSandbox {
+                image: Some(name.to_owned()),
+                disk_mib: Some(64),
+                ..small(256)
+            };
+            let fail = |what: &str, e: bulkhead_client::Error| -> ! {
+                panic!(
+                    "{what}: {e}\n{}\n--- daemon\n{}",
+                    vm_logs(&daemon.vms_dir()),
+                    daemon.log()
+                )
+            };
+            let sb = rt
+                .block_on(client.create(&spec))
+                .unwrap_or_else(|e| fail("create", e));
+            let scratch = scratch_disks(&daemon.vms_dir());
+            let collect = |argv: &[&str]| {
+                let mut exec = ExecSpec::new(argv.iter().copied());
+                exec.timeout_s = Some(300.0);
+                rt.block_on(client.exec_collect(&sb.id, &exec))
+                    .unwrap_or_else(|e| fail(argv[0], e))
+            };
+
+            // Act
+            let python = collect(&["python3", "-c", "print(6*7)"]);
+            rt.block_on(client.write_file(&sb.id, "/root/note.txt", 0o644, b"kept".to_vec()))
+                .unwrap_or_else(|e| fail("write_file", e));
+            let written = collect(&[
+                "sh",
+                "-c",
+                "cat /root/note.txt && dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null && sync",
+            ]);
+            let allocated = std::fs::metadata(&scratch[0])
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+                .unwrap_or(0);
+            rt.block_on(client.delete(&sb.id))
+                .unwrap_or_else(|e| fail("delete", e));
+
+            // Assert
+            assert_eq!(sb.image.as_deref(), Some(name));
+            assert_eq!(sb.disk_mib, Some(64));
+            assert_eq!(scratch.len(), 1, "one scratch disk while it runs");
+            assert_eq!(String::from_utf8_lossy(&python.stdout), "42\n", "{python:?}");
+            assert_eq!(String::from_utf8_lossy(&written.stdout), "kept", "{written:?}");
+            assert!(
+                allocated >= 16 << 20,
+                "the guest's 16 MiB did not land on the scratch disk ({allocated} bytes allocated)"
+            );
+            assert!(!scratch[0].exists(), "DELETE left {}", scratch[0].display());
+            assert_eq!(
+                daemon.leftovers(&[sb.vmm_pid.unwrap()]),
+                Vec::<String>::new()
+            );
+        },
+    );
+}

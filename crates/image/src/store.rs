@@ -123,6 +123,16 @@ impl ImageStore {
         }
     }
 
+    /// The store whose images live directly in `images_dir` (`images_dir/<name>/`), for
+    /// callers configured with the images directory itself rather than a data directory
+    /// (e.g. bulkheadd's `images_dir`). `ImageStore::new(d)` is `ImageStore::at_images_dir(d/images)`.
+    pub fn at_images_dir(images_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            images_dir: images_dir.into(),
+            cache_dir: None,
+        }
+    }
+
     /// The store under the default data directory, `${XDG_DATA_HOME:-~/.local/share}/bulkhead`.
     pub fn open_default() -> Result<Self, StoreError> {
         Ok(Self::new(paths::default_data_dir()?))

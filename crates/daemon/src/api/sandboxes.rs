@@ -13,15 +13,17 @@ use crate::manager::Manager;
 const DEFAULT_LOG_LINES: usize = 200;
 const MAX_LOG_LINES: usize = 10_000;
 
-/// Boots a sandbox; answers once its guest agent is ready.
+/// Boots a sandbox, on a root filesystem image of the daemon's image store when `image` is
+/// given (with a scratch disk of `disk_mib` for its writable layer); answers once its guest
+/// agent is ready.
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses(
         (status = 201, description = "Running", body = SandboxInfo),
-        (status = 400, description = "Invalid request (malformed JSON, unknown field, value out of range)", body = ErrorBody),
+        (status = 400, description = "Invalid request (malformed JSON, unknown field, value out of range, invalid or unknown image name, disk_mib without image)", body = ErrorBody),
         (status = 413, description = "Body larger than 1 MiB", body = ErrorBody),
         (status = 422, description = "Not enough host memory", body = ErrorBody),
         (status = 429, description = "Sandbox limit reached", body = ErrorBody),
-        (status = 500, description = "The VM could not start (the message quotes its log)", body = ErrorBody),
+        (status = 500, description = "The VM could not start (the message quotes its log), or the image is damaged", body = ErrorBody),
         (status = 503, description = "The daemon is shutting down", body = ErrorBody)))]
 pub async fn create(
     State(manager): State<Manager>,

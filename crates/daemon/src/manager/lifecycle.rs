@@ -5,11 +5,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{CreateSandbox, Limits, SandboxInfo, SandboxState};
-use bulkhead_sandbox::{Sandbox, SandboxConfig};
+use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
 use bulkhead_vmm::config::SerialOutput;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
+use super::images::remove_scratch;
 use super::plan::VmPlan;
 use super::{exit_reason, failure, info_of, procs, Entry, EntryInner, Manager, ManagerError};
 use crate::cgroup::{CgroupManager, CgroupSpec, VmCgroup};
@@ -29,13 +30,16 @@ impl Manager {
         let record = entry.lock().record.clone();
         let config = self.sandbox_config(&record, &plan);
         let cgroups = self.inner.cgroups.clone();
-        let limits = plan.limits;
+        let VmPlan {
+            limits, storage, ..
+        } = plan;
         // Wait for a boot slot (the semaphore is never closed); the boot timeout starts after.
         let slot = self.inner.boot_slots.acquire().await;
-        let booted =
-            tokio::task::spawn_blocking(move || boot(&record, config, cgroups.as_ref(), &limits))
-                .await
-                .unwrap_or_else(|e| Err(format!("the boot task failed: {e}")));
+        let booted = tokio::task::spawn_blocking(move || {
+            boot(&record, config, &storage, cgroups.as_ref(), &limits)
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("the boot task failed: {e}")));
         drop(slot);
         let sandbox = match booted {
             Ok(sandbox) => sandbox,
@@ -216,6 +220,11 @@ impl Manager {
         if let Err(e) = self.inner.store.save(&record) {
             tracing::error!(id = %entry.id, "cannot record the failure: {e}");
         }
+        // The scratch disk is of no use without its VM: free its space now, not at DELETE.
+        // The lifecycle lock is still held, so no destroy runs meanwhile.
+        if let Some(dir) = record.sandbox.map(|s| s.runtime_dir) {
+            let _ = tokio::task::spawn_blocking(move || remove_scratch(&dir)).await;
+        }
     }
 
     /// Destroys one entry (see [`Manager::destroy`]).
@@ -281,11 +290,13 @@ impl Manager {
     }
 }
 
-/// Blocking: creates the cgroup and boots the VM in it. On failure everything made is removed,
-/// the record included.
+/// Blocking: creates the cgroup and boots the VM in it, with its root image and scratch disk
+/// (made in the runtime directory). On failure everything made is removed (the scratch disk with
+/// the runtime directory).
 fn boot(
     record: &Record,
     mut config: SandboxConfig,
+    storage: &Storage,
     cgroups: Option<&CgroupManager>,
     limits: &crate::cgroup::VmLimits,
 ) -> Result<Sandbox, String> {
@@ -294,7 +305,7 @@ fn boot(
             let cgroup = manager.create(spec, limits).map_err(|e| e.to_string())?;
             config.cgroup_procs = cgroup.procs_files();
         }
-        Sandbox::start(&config).map_err(|e| e.to_string())
+        Sandbox::start_with(&config, storage).map_err(|e| e.to_string())
     })();
     if result.is_err() {
         cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());

@@ -13,6 +13,7 @@
 //! lifecycle lock; blocking work (booting, stopping, file and cgroup operations) runs on tokio's
 //! blocking pool.
 
+mod images;
 mod lifecycle;
 pub mod plan;
 pub mod procs;
@@ -259,7 +260,8 @@ impl Manager {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
             return Err(ManagerError::ShuttingDown);
         }
-        let plan = plan::plan(&self.inner.config, &spec, plan::host_available_mib())?;
+        let config = &self.inner.config;
+        let plan = plan::plan(config, &spec, plan::host_facts(config))?;
         let this = self.clone();
         // Run to the end even when the client goes away, so nothing is left half made.
         tokio::spawn(async move { this.create_vm(spec, plan).await })
@@ -328,6 +330,7 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
         memory_mib: r.spec.memory_mib,
         kernel: r.spec.kernel.clone(),
         image: r.spec.image.clone(),
+        disk_mib: r.spec.disk_mib,
         labels: r.spec.labels.clone(),
         limits: r.limits.clone(),
         vmm_pid,

@@ -4,8 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use bulkhead_client::CreateSandbox;
+use bulkhead_sandbox::Storage;
 
-use super::ManagerError;
+use super::{images, ManagerError};
 use crate::cgroup::VmLimits;
 use crate::config::Config;
 use crate::util;
@@ -30,21 +31,43 @@ pub struct VmPlan {
     pub kernel: PathBuf,
     /// Initramfs file.
     pub initrd: PathBuf,
+    /// Root image and scratch disk (none without `image`).
+    pub storage: Storage,
     /// Host limits.
     pub limits: VmLimits,
 }
 
-/// Validates `spec`; `available_mib` is the host's available memory (None: unknown).
+/// What a plan needs to know about the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostFacts {
+    /// The host's available memory, MiB (None: unknown).
+    pub available_mib: Option<u64>,
+    /// The VMs' runtime root is on a RAM-backed file system (tmpfs): scratch disks there are
+    /// host memory, charged to the memory cgroup of the VMM that writes them.
+    pub runtime_in_ram: bool,
+}
+
+/// The [`HostFacts`] of this host for `config`.
+pub fn host_facts(config: &Config) -> HostFacts {
+    HostFacts {
+        available_mib: util::available_memory_mib().ok(),
+        runtime_in_ram: images::is_ram_backed(&config.vm_runtime_root()),
+    }
+}
+
+/// Validates `spec` and resolves its kernel, initramfs and image.
 ///
 /// # Errors
-/// [`ManagerError::Invalid`] with the offending field, [`ManagerError::InsufficientMemory`].
+/// [`ManagerError::Invalid`] with the offending field, [`ManagerError::InsufficientMemory`],
+/// [`ManagerError::Internal`] when the image store is damaged.
 pub fn plan(
     config: &Config,
     spec: &CreateSandbox,
-    available_mib: Option<u64>,
+    host: HostFacts,
 ) -> Result<VmPlan, ManagerError> {
     check_cpu(config, spec)?;
-    check_memory(config, spec, available_mib)?;
+    images::check_disk_mib(config, spec)?; // before the memory check, which may count it
+    check_memory(config, spec, host)?;
     check_env_and_labels(spec)?;
     if let Some(ttl) = spec.ttl_s {
         if ttl == 0 || config.max_ttl_s.is_some_and(|max| ttl > max) {
@@ -70,20 +93,14 @@ pub fn plan(
         &config.kernel,
         config.kernels_dir.as_deref(),
         "kernel",
-        "",
     )?;
-    let initrd = resolve(
-        spec.image.as_deref(),
-        &config.image,
-        config.images_dir.as_deref(),
-        "image",
-        "initramfs.cpio.gz",
-    )?;
-    let memory_bytes =
-        (u64::from(spec.memory_mib) + u64::from(config.vmm_memory_overhead_mib)) << 20;
+    let initrd = config.image.clone();
+    let storage = images::storage_of(config, spec)?;
+    let memory_bytes = memory_limit_mib(config, spec, host).saturating_mul(1 << 20);
     Ok(VmPlan {
         kernel,
         initrd,
+        storage,
         limits: VmLimits {
             memory_bytes,
             cpu_quota: spec.cpu_quota,
@@ -115,10 +132,26 @@ fn check_cpu(config: &Config, spec: &CreateSandbox) -> Result<(), ManagerError> 
     Ok(())
 }
 
+/// The VMM's memory limit, MiB: guest RAM, the VMM allowance and, when scratch disks live in
+/// host RAM, the scratch disk (its pages are charged to the VMM that writes them and cannot be
+/// reclaimed without swap).
+fn memory_limit_mib(config: &Config, spec: &CreateSandbox, host: HostFacts) -> u64 {
+    u64::from(spec.memory_mib)
+        .saturating_add(u64::from(config.vmm_memory_overhead_mib))
+        .saturating_add(scratch_in_ram(spec, host))
+}
+
+fn scratch_in_ram(spec: &CreateSandbox, host: HostFacts) -> u64 {
+    match (host.runtime_in_ram, spec.image.is_some()) {
+        (true, true) => spec.disk_mib.unwrap_or(0),
+        _ => 0,
+    }
+}
+
 fn check_memory(
     config: &Config,
     spec: &CreateSandbox,
-    available_mib: Option<u64>,
+    host: HostFacts,
 ) -> Result<(), ManagerError> {
     if spec.memory_mib < MIN_MEMORY_MIB || spec.memory_mib > config.max_memory_mib {
         return invalid(format!(
@@ -126,11 +159,17 @@ fn check_memory(
             config.max_memory_mib
         ));
     }
-    let needed = u64::from(spec.memory_mib) + u64::from(config.vmm_memory_overhead_mib);
-    if let Some(available) = available_mib {
+    let needed = memory_limit_mib(config, spec, host);
+    if let Some(available) = host.available_mib {
         if needed > available {
+            let disk = match scratch_in_ram(spec, host) {
+                0 => String::new(),
+                mib => {
+                    format!(" and the scratch disk of {mib} MiB (the runtime directory is in RAM)")
+                }
+            };
             return Err(ManagerError::InsufficientMemory(format!(
-                "memory_mib {} plus the VMM allowance of {} MiB exceeds the host's available memory ({available} MiB)",
+                "memory_mib {} plus the VMM allowance of {} MiB{disk} exceeds the host's available memory ({available} MiB)",
                 spec.memory_mib, config.vmm_memory_overhead_mib
             )));
         }
@@ -166,13 +205,12 @@ pub fn check_env(env: &std::collections::BTreeMap<String, String>) -> Result<(),
     Ok(())
 }
 
-/// The file for an optional `name` in `dir` (`<dir>/<name>[/<inner>]`), or `default`.
+/// The file for an optional `name` in `dir` (`<dir>/<name>`), or `default`.
 fn resolve(
     name: Option<&str>,
     default: &Path,
     dir: Option<&Path>,
     what: &str,
-    inner: &str,
 ) -> Result<PathBuf, ManagerError> {
     let Some(name) = name else {
         return Ok(default.to_owned());
@@ -193,10 +231,7 @@ fn resolve(
             "this daemon has no {what}s directory; leave {what} out for the default"
         ));
     };
-    let mut path = dir.join(name);
-    if !inner.is_empty() {
-        path.push(inner);
-    }
+    let path = dir.join(name);
     if !path.is_file() {
         return invalid(format!("unknown {what} {name:?}"));
     }
@@ -213,11 +248,6 @@ pub fn merged_env(
     all.iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
-/// The host's available memory, if known.
-pub fn host_available_mib() -> Option<u64> {
-    util::available_memory_mib().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,8 +256,41 @@ mod tests {
         CreateSandbox::default()
     }
 
+    fn host(available_mib: u64) -> HostFacts {
+        HostFacts {
+            available_mib: Some(available_mib),
+            runtime_in_ram: false,
+        }
+    }
+
     fn plan_of(spec: &CreateSandbox) -> Result<VmPlan, ManagerError> {
-        plan(&Config::default(), spec, Some(4096))
+        plan(&Config::default(), spec, host(4096))
+    }
+
+    /// A configuration whose image store (`<dir>/images`) holds fake images `names` and whose
+    /// runtime root is in `dir`.
+    fn config_with_images(dir: &Path, names: &[&str]) -> Config {
+        images::testing::store_with(&dir.join("images"), names);
+        Config {
+            images_dir: Some(dir.join("images")),
+            runtime_dir: Some(dir.to_owned()),
+            ..Config::default()
+        }
+    }
+
+    fn with_image(image: &str, disk_mib: Option<u64>) -> CreateSandbox {
+        CreateSandbox {
+            image: Some(image.to_owned()),
+            disk_mib,
+            ..CreateSandbox::default()
+        }
+    }
+
+    fn message(result: Result<VmPlan, ManagerError>) -> String {
+        match result {
+            Err(ManagerError::Invalid(m)) => m,
+            other => panic!("expected a 400, got {other:?}"),
+        }
     }
 
     #[test]
@@ -266,16 +329,177 @@ mod tests {
     }
 
     #[test]
-    fn image_names_cannot_escape_the_images_dir() {
+    fn image_names_cannot_escape_the_image_store() {
         // Arrange
-        let mut s = spec();
-        s.image = Some("../../etc".into());
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with_images(dir.path(), &["debian"]);
+        std::fs::create_dir_all(dir.path().join("etc")).unwrap();
+        let names = [
+            "../../etc",
+            "../etc",
+            "debian/../debian",
+            "/etc",
+            ".hidden",
+            "Debian",
+            "",
+        ];
 
         // Act
-        let result = plan_of(&s);
+        let results: Vec<_> = names
+            .iter()
+            .map(|n| plan(&config, &with_image(n, None), host(4096)))
+            .collect();
 
         // Assert
-        assert!(matches!(result, Err(ManagerError::Invalid(m)) if m.contains("image names")));
+        for (name, result) in names.iter().zip(results) {
+            let m = message(result);
+            assert!(m.contains("invalid image name"), "{name:?}: {m}");
+        }
+    }
+
+    #[test]
+    fn an_image_of_the_store_is_the_read_only_root_with_an_optional_scratch_disk() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with_images(dir.path(), &["debian"]);
+        let rootfs = dir.path().join("images/debian/rootfs.ext4");
+
+        // Act
+        let tmpfs_layer = plan(&config, &with_image("debian", None), host(4096)).unwrap();
+        let on_disk = plan(&config, &with_image("debian", Some(64)), host(4096)).unwrap();
+        let no_image = plan(&config, &spec(), host(4096)).unwrap();
+
+        // Assert
+        assert_eq!(tmpfs_layer.storage.root_image.as_deref(), Some(&*rootfs));
+        assert_eq!(tmpfs_layer.storage.scratch_mib, None);
+        assert_eq!(on_disk.storage.root_image.as_deref(), Some(&*rootfs));
+        assert_eq!(on_disk.storage.scratch_mib, Some(64));
+        assert_eq!(no_image.storage, Storage::default());
+        assert_eq!(
+            on_disk.initrd, config.image,
+            "the agent's initramfs boots the image"
+        );
+    }
+
+    #[test]
+    fn an_unknown_image_is_a_400_naming_it_and_the_images_there_are() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with_images(dir.path(), &["debian", "tools"]);
+
+        // Act
+        let m = message(plan(&config, &with_image("ubuntu", None), host(4096)));
+
+        // Assert
+        assert!(m.contains("unknown image \"ubuntu\""), "{m}");
+        assert!(m.contains("debian, tools"), "{m}");
+    }
+
+    #[test]
+    fn an_initramfs_directory_is_not_an_image() {
+        // Arrange: the old meaning of `image`, `<images_dir>/NAME/initramfs.cpio.gz`.
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with_images(dir.path(), &[]);
+        let old = dir.path().join("images/default");
+        std::fs::create_dir_all(&old).unwrap();
+        std::fs::write(old.join("initramfs.cpio.gz"), b"cpio").unwrap();
+
+        // Act
+        let m = message(plan(&config, &with_image("default", None), host(4096)));
+
+        // Assert
+        assert!(m.contains("not an image"), "{m}");
+    }
+
+    #[test]
+    fn disk_mib_needs_an_image_and_a_size_within_bounds() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config {
+            max_disk_mib: 1024,
+            ..config_with_images(dir.path(), &["debian"])
+        };
+        let without_image = CreateSandbox {
+            disk_mib: Some(64),
+            ..CreateSandbox::default()
+        };
+
+        // Act
+        let results = [
+            plan(&config, &without_image, host(4096)),
+            plan(&config, &with_image("debian", Some(1)), host(4096)),
+            plan(&config, &with_image("debian", Some(1025)), host(4096)),
+        ];
+
+        // Assert
+        let messages: Vec<String> = results.into_iter().map(message).collect();
+        assert!(
+            messages[0].contains("disk_mib needs an image"),
+            "{}",
+            messages[0]
+        );
+        assert!(
+            messages[1].contains("between 8 and 1024"),
+            "{}",
+            messages[1]
+        );
+        assert!(
+            messages[2].contains("between 8 and 1024"),
+            "{}",
+            messages[2]
+        );
+    }
+
+    #[test]
+    fn an_absurd_disk_mib_is_a_400_even_where_it_would_count_as_memory() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with_images(dir.path(), &["debian"]);
+        let in_ram = HostFacts {
+            available_mib: Some(4096),
+            runtime_in_ram: true,
+        };
+
+        // Act
+        let result = plan(&config, &with_image("debian", Some(u64::MAX)), in_ram);
+
+        // Assert
+        assert!(message(result).contains("disk_mib must be between"));
+    }
+
+    #[test]
+    fn a_scratch_disk_in_host_ram_counts_toward_the_memory_limit_and_one_on_disk_does_not() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_with_images(dir.path(), &["debian"]);
+        let spec = CreateSandbox {
+            memory_mib: 256,
+            ..with_image("debian", Some(512))
+        };
+        let in_ram = HostFacts {
+            available_mib: Some(4096),
+            runtime_in_ram: true,
+        };
+
+        // Act
+        let on_disk = plan(&config, &spec, host(4096)).unwrap();
+        let on_tmpfs = plan(&config, &spec, in_ram).unwrap();
+        let too_big = plan(
+            &config,
+            &spec,
+            HostFacts {
+                available_mib: Some(700),
+                ..in_ram
+            },
+        );
+
+        // Assert
+        assert_eq!(on_disk.limits.memory_bytes, (256 + 64) << 20);
+        assert_eq!(on_tmpfs.limits.memory_bytes, (256 + 64 + 512) << 20);
+        assert!(
+            matches!(&too_big, Err(ManagerError::InsufficientMemory(m)) if m.contains("scratch disk of 512 MiB")),
+            "{too_big:?}"
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use bulkhead_client::SandboxState;
 use bulkhead_sandbox::Sandbox;
 
+use super::images::remove_scratch;
 use super::lifecycle::{cleanup_files_and_cgroup, teardown};
 use super::{failure, procs, Entry, EntryInner, Manager};
 use crate::cgroup::VmCgroup;
@@ -54,7 +55,13 @@ impl Manager {
                 log_err(store.remove(&record.id));
                 None
             }
-            Phase::Failed => Some((record, None)),
+            Phase::Failed => {
+                // Normally gone already; not if the daemon died right after recording the failure.
+                if let Some(state) = &record.sandbox {
+                    remove_scratch(&state.runtime_dir);
+                }
+                Some((record, None))
+            }
             Phase::Running => {
                 let adopted = record.sandbox.as_ref().map(Sandbox::adopt);
                 match (self.inner.config.on_restart, adopted) {
@@ -94,6 +101,9 @@ impl Manager {
             }
         }
         let runtime_dir = record.sandbox.as_ref().map(|s| s.runtime_dir.clone());
+        if let Some(dir) = &runtime_dir {
+            remove_scratch(dir); // the logs stay, the dead VM's writable layer goes
+        }
         record.phase = Phase::Failed;
         record.failure = Some(failure(
             "vanished",
