@@ -6,6 +6,7 @@
 mod daemon_cmds;
 mod image_cmds;
 mod run;
+mod rundir;
 mod signals;
 
 use std::process::ExitCode;

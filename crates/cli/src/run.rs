@@ -13,6 +13,7 @@ use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
+use crate::rundir;
 use crate::signals::SignalRouter;
 
 /// Exit status reported when `--timeout` expired (as coreutils `timeout` does).
@@ -109,7 +110,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     }
     // This run's own directory for the sandbox's runtime files, so a signal during the boot
     // can remove them (see `signals`); removed at the end of a normal run too.
-    let run_dir = run_dir(&config.runtime_dir)?;
+    let run_dir = rundir::create(&config.runtime_dir)?;
     config.runtime_dir = run_dir.path().to_owned();
     let router = SignalRouter::install(run_dir.path().to_owned())?;
     let sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
@@ -128,18 +129,6 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
         eprintln!("bulkhead: warning: {e}");
     }
     Ok(exit_code(&status))
-}
-
-/// Creates this run's directory under `parent` (created if missing).
-fn run_dir(parent: &Path) -> Result<tempfile::TempDir, String> {
-    std::fs::create_dir_all(parent)
-        .and_then(|()| tempfile::Builder::new().prefix("run-").tempdir_in(parent))
-        .map_err(|e| {
-            format!(
-                "cannot create a runtime directory in {}: {e}",
-                parent.display()
-            )
-        })
 }
 
 fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
