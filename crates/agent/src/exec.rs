@@ -171,8 +171,8 @@ struct OutputPipe {
 /// Why the loop stopped early.
 #[derive(Debug)]
 enum Abort {
-    /// The connection ended or failed.
-    HostGone,
+    /// The connection ended or failed (what was seen).
+    HostGone(String),
     /// The host sent something that does not belong in an exec.
     Protocol(String),
 }
@@ -342,7 +342,9 @@ impl ExecLoop {
         match slot {
             Slot::Conn => {
                 if revents & libc::POLLOUT != 0 {
-                    self.out.flush(&self.conn).map_err(|_| Abort::HostGone)?;
+                    self.out
+                        .flush(&self.conn)
+                        .map_err(|e| Abort::HostGone(format!("sending: {e}")))?;
                 }
                 if revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
                     self.read_conn()?;
@@ -363,10 +365,10 @@ impl ExecLoop {
 
     fn read_conn(&mut self) -> Result<(), Abort> {
         match self.conn.recv_nonblocking(&mut self.read_buf) {
-            Ok(0) => return Err(Abort::HostGone),
+            Ok(0) => return Err(Abort::HostGone("end of stream".into())),
             Ok(n) => self.decoder.push(&self.read_buf[..n]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-            Err(_) => return Err(Abort::HostGone),
+            Err(e) => return Err(Abort::HostGone(format!("receiving: {e}"))),
         }
         loop {
             match self.decoder.next_frame() {
@@ -487,13 +489,19 @@ impl ExecLoop {
     /// The host is gone (or broke the protocol): hang up the command's group, give it
     /// [`HANGUP_GRACE`] to exit, then kill whatever is left of the group.
     fn abandon(mut self, abort: Abort) {
-        if let Abort::Protocol(reason) = &abort {
-            log!(
-                "exec pid {}: {reason}; killing its process group",
+        match &abort {
+            Abort::Protocol(reason) => {
+                log!(
+                    "exec pid {}: {reason}; killing its process group",
+                    self.pgid
+                );
+                self.out.push_frame(&Frame::error(reason.clone()));
+                let _ = self.out.flush(&self.conn);
+            }
+            Abort::HostGone(seen) => log!(
+                "exec pid {}: host connection lost ({seen}); hanging up its process group",
                 self.pgid
-            );
-            self.out.push_frame(&Frame::error(reason.clone()));
-            let _ = self.out.flush(&self.conn);
+            ),
         }
         kill_group(self.pgid, libc::SIGHUP);
         kill_group(self.pgid, libc::SIGCONT);

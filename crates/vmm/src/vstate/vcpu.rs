@@ -199,6 +199,10 @@ impl Vcpu {
             return State::Exiting(ExitReason::Stopped);
         }
         match self.fd.run() {
+            Ok(VcpuExit::Shutdown) => {
+                self.log_shutdown();
+                State::Exiting(ExitReason::Reset)
+            }
             Ok(exit) => handle_exit(exit, &self.pio, &self.mmio),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 self.fd.set_kvm_immediate_exit(0);
@@ -206,6 +210,21 @@ impl Vcpu {
             }
             Err(e) => State::Exiting(ExitReason::Fatal(format!("KVM_RUN failed: {e}"))),
         }
+    }
+
+    /// KVM_EXIT_SHUTDOWN: the guest triple-faulted (or reboots that way with `reboot=t`). Ends the
+    /// VM like a reset; the registers are logged because with our `reboot=k` it means a crash.
+    fn log_shutdown(&self) {
+        let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or_default();
+        let (cr2, cr3) = self
+            .fd
+            .get_sregs()
+            .map(|s| (s.cr2, s.cr3))
+            .unwrap_or_default();
+        tracing::warn!(
+            "vCPU {}: KVM_EXIT_SHUTDOWN (triple fault) at rip {rip:#x}, cr2 {cr2:#x}, cr3 {cr3:#x}",
+            self.id
+        );
     }
 
     /// `Exiting`: report the reason and wake the VMM.

@@ -273,9 +273,16 @@ impl Connection {
     ) -> Verdict {
         self.update_peer_credit(hdr);
         match op {
-            Op::Request => Verdict::Reset,
+            Op::Request => self.reset("REQUEST on an existing connection"),
             Op::Response => self.on_response(),
-            Op::Rst => Verdict::Drop,
+            Op::Rst => {
+                tracing::debug!(
+                    "vsock {:?} in {:?}: RST from the guest",
+                    self.key,
+                    self.state
+                );
+                Verdict::Drop
+            }
             Op::Shutdown => self.on_shutdown(hdr.flags),
             Op::Rw => self.on_rw(data),
             Op::CreditUpdate => Verdict::Keep,
@@ -289,7 +296,7 @@ impl Connection {
     /// LocalInit → Established: tell the client which host port it got.
     fn on_response(&mut self) -> Verdict {
         if !matches!(self.state, ConnState::LocalInit { .. }) {
-            return Verdict::Reset;
+            return self.reset("RESPONSE outside the handshake");
         }
         let reply = format!("OK {}\n", self.key.local_port);
         // The client has not been sent anything before, so its receive buffer takes these few
@@ -299,7 +306,7 @@ impl Connection {
                 self.state = ConnState::Established(HalfClose::default());
                 Verdict::Keep
             }
-            _ => Verdict::Reset,
+            _ => self.reset("the client left before the guest answered"),
         }
     }
 
@@ -307,7 +314,7 @@ impl Connection {
         let ConnState::Established(mut hc) = self.state else {
             // Shutting down a connection that is not up (or answering our own SHUTDOWN while
             // Closing): the guest expects an RST.
-            return Verdict::Reset;
+            return self.reset("SHUTDOWN of a connection that is not established");
         };
         if flags & SHUTDOWN_RCV != 0 && !hc.peer_done_receiving {
             hc.peer_done_receiving = true;
@@ -325,14 +332,16 @@ impl Connection {
             ConnState::Established(hc) => hc,
             // The client is gone; the guest just has not seen our SHUTDOWN yet.
             ConnState::Closing { .. } => return Verdict::Keep,
-            _ => return Verdict::Reset,
+            _ => return self.reset("RW before the connection is established"),
         };
         let Some(data) = data else {
             return Verdict::Keep;
         };
-        if hc.peer_done_sending || self.to_unix.len() + data.len() > CONN_BUF_SIZE as usize {
-            // Data after SHUTDOWN(SEND), or more than the credit we gave.
-            return Verdict::Reset;
+        if hc.peer_done_sending {
+            return self.reset("RW after the guest's SHUTDOWN(SEND)");
+        }
+        if self.to_unix.len() + data.len() > CONN_BUF_SIZE as usize {
+            return self.reset("RW beyond the credit we gave");
         }
         let mut bytes = vec![0u8; data.len()];
         data.copy_to(&mut bytes[..]);
@@ -353,7 +362,10 @@ impl Connection {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => return Verdict::Reset,
+                Err(e) => {
+                    tracing::debug!("vsock {:?}: writing to the Unix socket: {e}", self.key);
+                    return Verdict::Reset;
+                }
             }
         }
         if self.guest_view_of_free_space() < CREDIT_UPDATE_THRESHOLD
@@ -378,9 +390,11 @@ impl Connection {
         }
         if hc.peer_done_sending && hc.peer_done_receiving {
             // Full shutdown by the guest and all its data delivered: the reply is an RST.
+            tracing::debug!("vsock {:?}: closed by the guest", self.key);
             return Verdict::Reset;
         }
         if hc.peer_done_sending && !hc.unix_write_shut {
+            tracing::trace!("vsock {:?}: shutting the Unix write side", self.key);
             let _ = self.stream.shutdown(Shutdown::Write);
             hc.unix_write_shut = true;
             self.state = ConnState::Established(hc);
@@ -391,7 +405,7 @@ impl Connection {
     /// Handles readiness of the Unix socket.
     pub fn on_unix_event(&mut self, events: EventSet) -> Verdict {
         if events.contains(EventSet::ERROR) {
-            return Verdict::Reset;
+            return self.reset("error on the Unix socket");
         }
         if events.intersects(EventSet::OUT | EventSet::HANG_UP) && !self.to_unix.is_empty() {
             let verdict = self.flush();
@@ -476,7 +490,10 @@ impl Connection {
                 self.pending.rw = false;
                 RxFill::Empty
             }
-            Err(_) => RxFill::Reset,
+            Err(e) => {
+                tracing::debug!("vsock {:?}: reading the Unix socket: {e}", self.key);
+                RxFill::Reset
+            }
         }
     }
 
@@ -495,6 +512,12 @@ impl Connection {
         hc.local_done_sending = true;
         self.state = ConnState::Established(hc);
         RxFill::Packet(self.header(Op::Shutdown, 0, SHUTDOWN_SEND))
+    }
+
+    /// Logs why the connection ends with an RST and says so.
+    fn reset(&self, reason: &str) -> Verdict {
+        tracing::debug!("vsock {:?} in {:?}: RST: {reason}", self.key, self.state);
+        Verdict::Reset
     }
 
     /// A header from the host side of this connection (the muxer fills in the CIDs).

@@ -269,6 +269,7 @@ impl Muxer {
     /// Answers an invalid packet: RST (never to an RST) and the end of its connection.
     fn reject(&mut self, hdr: &Header) {
         let key = ConnKey::of_guest_packet(hdr);
+        tracing::debug!("vsock {key:?}: rejecting guest packet {hdr:?}");
         let is_rst = hdr.operation() == Some(Op::Rst);
         if hdr.dst_cid == HOST_CID && self.conns.contains_key(&key) {
             self.remove(key, !is_rst);
@@ -322,6 +323,7 @@ impl Muxer {
         let Some(conn) = self.conns.remove(&key) else {
             return;
         };
+        tracing::trace!("vsock {key:?}: removed (rst {send_rst})");
         self.by_fd.remove(&conn.fd());
         if conn.queued {
             self.ready.retain(|k| *k != key);
@@ -412,6 +414,7 @@ impl Muxer {
             .map(|c| c.key())
             .collect();
         for key in expired {
+            tracing::debug!("vsock {key:?}: handshake or close timed out");
             self.remove(key, true);
         }
     }
