@@ -11,8 +11,8 @@
 //! - **exec**: round trip of `true` in a running sandbox.
 //!
 //! `BULKHEAD_BENCH_RUNS` (default 10) sets the boot and run counts, `BULKHEAD_BENCH_EXECS`
-//! (default 100) the exec count. Results are also written as JSON to
-//! `target/bulkhead-bench/boot.json`.
+//! (default 100) the exec count (unset, unparsable or 0: the default). Results are also written
+//! as JSON to `target/bulkhead-bench/boot.json`.
 
 use std::path::Path;
 use std::process::Command;
@@ -20,26 +20,17 @@ use std::time::{Duration, Instant};
 
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Sandbox, SandboxConfig};
-use bulkhead_tests::bench::{print_table, write_json, Row};
-use bulkhead_tests::{artifacts, run_here_or_delegate, scratch_dir};
+use bulkhead_tests::bench::{env_count, print_table, write_json, Row};
+use bulkhead_tests::{artifacts, scratch_dir};
 use bulkhead_vmm::TimelineMs;
 
 fn main() {
-    if let Some(stdout) = run_here_or_delegate(&[], bench) {
-        print!("{stdout}");
-    }
-}
-
-fn count(var: &str, default: usize) -> usize {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    bulkhead_tests::bench::run(bench);
 }
 
 fn bench() {
-    let runs = count("BULKHEAD_BENCH_RUNS", 10);
-    let execs = count("BULKHEAD_BENCH_EXECS", 100);
+    let runs = env_count("BULKHEAD_BENCH_RUNS", 10);
+    let execs = env_count("BULKHEAD_BENCH_EXECS", 100);
     let mut rows = Vec::new();
     let (init, exit) = boot_runs(runs);
     rows.push(Row::new("boot: spawn → guest init", init));

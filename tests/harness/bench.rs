@@ -1,31 +1,112 @@
-//! Percentile tables for bulkhead's benchmarks (`benches/boot.rs`, `crates/daemon/benches`):
-//! one [`Row`] per phase, printed as a table and written as JSON under
-//! `target/bulkhead-bench/`.
+//! Support for bulkhead's benchmarks (`benches/boot.rs`, `benches/storage.rs`,
+//! `crates/daemon/benches`): [`run`] runs one where guests can boot, one [`Row`] per measured
+//! quantity is printed as a table and written as JSON under `target/bulkhead-bench/`, and
+//! [`env_count`] reads their sample counts.
 
+use std::env;
+use std::io;
 use std::path::PathBuf;
+use std::time::Duration;
 
-use crate::target_dir;
+use bulkhead_vmm::vstate::kvm::host_kvm;
 
-/// The samples of one measured phase, in milliseconds, sorted ascending.
+use crate::{inner_script, target_dir, test_host, INNER_ENV};
+
+/// Longest a benchmark may run inside the test host. A benchmark boots dozens of guests in one
+/// process, so the limit of one delegated test (10 min) is too short for it; this one only
+/// catches a hung run.
+pub const BENCH_TIMEOUT: Duration = Duration::from_secs(90 * 60);
+
+/// Runs the benchmark `body` where guests can boot: right here (hardware KVM, or already inside
+/// the test host), or by re-running the current executable inside the shared test host, whose
+/// stdout and stderr are passed through while it runs (so progress shows during long runs).
+///
+/// # Panics
+/// When the test host cannot be started, the run exceeds [`BENCH_TIMEOUT`], or the benchmark
+/// fails (non-zero status) in the test host.
+pub fn run(body: impl FnOnce()) {
+    if env::var_os(INNER_ENV).is_some() || host_kvm().can_boot_stock_kernel() {
+        body();
+        return;
+    }
+    let status = test_host(None)
+        .run_streaming(
+            &inner_script(&[]),
+            BENCH_TIMEOUT,
+            &mut io::stdout(),
+            &mut io::stderr(),
+        )
+        .unwrap_or_else(|e| panic!("running the benchmark in the test host failed: {e}"));
+    assert!(
+        status == 0,
+        "the benchmark failed in the test host (status {status})"
+    );
+}
+
+/// Unit of a [`Row`]'s samples. Durations are [`Unit::Ms`] (lower is better); throughputs
+/// [`Unit::MibPerS`] (higher is better, so a throughput row's p90 is its fast side).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Unit {
+    /// Milliseconds.
+    #[default]
+    Ms,
+    /// Mebibytes (2^20 bytes) per second.
+    MibPerS,
+}
+
+impl Unit {
+    /// The unit as printed in tables: `ms`, `MiB/s`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Unit::Ms => "ms",
+            Unit::MibPerS => "MiB/s",
+        }
+    }
+
+    /// Suffix of the JSON keys (`samples_<suffix>`, `p50_<suffix>`, `p90_<suffix>`): `ms`, so
+    /// the keys of millisecond rows stay what they were before rows had units, and `mib_per_s`.
+    pub fn json_suffix(self) -> &'static str {
+        match self {
+            Unit::Ms => "ms",
+            Unit::MibPerS => "mib_per_s",
+        }
+    }
+}
+
+/// The samples of one measured quantity, sorted ascending.
 #[derive(Debug, Clone)]
 pub struct Row {
-    /// Phase name, e.g. `run: spawn → agent ready`.
+    /// What was measured, e.g. `run: spawn → agent ready`.
     pub name: String,
-    /// Samples in ms, sorted.
+    /// Samples in [`Row::unit`], sorted.
     pub samples: Vec<f64>,
+    /// Unit of the samples.
+    pub unit: Unit,
 }
 
 impl Row {
-    /// A row of `samples` (ms, any order).
-    pub fn new(name: impl Into<String>, mut samples: Vec<f64>) -> Self {
+    /// A row of `samples` in milliseconds (any order).
+    pub fn new(name: impl Into<String>, samples: Vec<f64>) -> Self {
+        Self::with_unit(name, samples, Unit::Ms)
+    }
+
+    /// A row of `samples` (any order) in `unit`.
+    ///
+    /// ```
+    /// use bulkhead_tests::bench::{Row, Unit};
+    /// let row = Row::with_unit("read", vec![120.0, 80.0], Unit::MibPerS);
+    /// assert_eq!((row.pct(0.0), row.unit.label()), (80.0, "MiB/s"));
+    /// ```
+    pub fn with_unit(name: impl Into<String>, mut samples: Vec<f64>, unit: Unit) -> Self {
         samples.sort_by(f64::total_cmp);
         Row {
             name: name.into(),
             samples,
+            unit,
         }
     }
 
-    /// The `p` quantile (0.0..=1.0) by nearest rank, in ms; `NaN` without samples.
+    /// The `p` quantile (0.0..=1.0) by nearest rank, in the row's unit; `NaN` without samples.
     ///
     /// ```
     /// let row = bulkhead_tests::bench::Row::new("x", vec![3.0, 1.0, 2.0]);
@@ -40,7 +121,21 @@ impl Row {
     }
 }
 
-/// Prints `rows` as a table: phase, n, p50, p90, min, max (ms).
+/// A sample count from the environment variable `var` (e.g. `BULKHEAD_BENCH_RUNS`): its value
+/// when it is a positive integer; `default` when it is unset, not a number, or 0.
+///
+/// ```
+/// assert_eq!(bulkhead_tests::bench::env_count("BULKHEAD_DOCTEST_UNSET_COUNT", 5), 5);
+/// ```
+pub fn env_count(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(default)
+}
+
+/// Prints `rows` as a table: name, n, unit, p50, p90, min, max.
 pub fn print_table(rows: &[Row]) {
     let width = rows
         .iter()
@@ -48,14 +143,15 @@ pub fn print_table(rows: &[Row]) {
         .max()
         .unwrap_or(5);
     println!(
-        "{:<width$} {:>5} {:>10} {:>10} {:>10} {:>10}",
-        "phase", "n", "p50 ms", "p90 ms", "min ms", "max ms"
+        "{:<width$} {:>5} {:>6} {:>10} {:>10} {:>10} {:>10}",
+        "phase", "n", "unit", "p50", "p90", "min", "max"
     );
     for r in rows {
         println!(
-            "{:<width$} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            "{:<width$} {:>5} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
             r.name,
             r.samples.len(),
+            r.unit.label(),
             r.pct(0.5),
             r.pct(0.9),
             r.pct(0.0),
@@ -64,21 +160,24 @@ pub fn print_table(rows: &[Row]) {
     }
 }
 
-/// Writes `rows` as JSON (`phase`, `samples_ms`, `p50_ms`, `p90_ms` per row) to
-/// `target/bulkhead-bench/<file>` and returns the path; failures are reported on stderr (a
-/// benchmark's table is its main output).
+/// Writes `rows` as JSON to `target/bulkhead-bench/<file>` and returns the path: per row
+/// `phase`, `unit` ([`Unit::label`]) and `samples_<s>`, `p50_<s>`, `p90_<s>` with `<s>` the
+/// unit's [`Unit::json_suffix`] (`samples_ms`, ... for durations). Failures are reported on
+/// stderr (a benchmark's table is its main output).
 pub fn write_json(rows: &[Row], file: &str) -> PathBuf {
     let dir = target_dir().join("bulkhead-bench");
     let path = dir.join(file);
     let json: Vec<_> = rows
         .iter()
         .map(|r| {
-            serde_json::json!({
-                "phase": r.name,
-                "samples_ms": r.samples,
-                "p50_ms": r.pct(0.5),
-                "p90_ms": r.pct(0.9),
-            })
+            let s = r.unit.json_suffix();
+            let mut row = serde_json::Map::new();
+            row.insert("phase".into(), r.name.clone().into());
+            row.insert("unit".into(), r.unit.label().into());
+            row.insert(format!("samples_{s}"), r.samples.clone().into());
+            row.insert(format!("p50_{s}"), r.pct(0.5).into());
+            row.insert(format!("p90_{s}"), r.pct(0.9).into());
+            serde_json::Value::Object(row)
         })
         .collect();
     let text = serde_json::to_string_pretty(&json).unwrap_or_default();

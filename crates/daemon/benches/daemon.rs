@@ -20,31 +20,20 @@ mod common;
 use std::time::Instant;
 
 use bulkhead_client::{Client, ExecEvent, ExecSpec};
-use bulkhead_tests::bench::{print_table, write_json, Row};
-use bulkhead_tests::run_here_or_delegate;
+use bulkhead_tests::bench::{env_count, print_table, write_json, Row};
 use common::real::{real_daemon, small, vm_logs};
 
 /// Guest RAM of each benchmarked sandbox, MiB.
 const GUEST_MIB: u32 = 64;
 
 fn main() {
-    if let Some(stdout) = run_here_or_delegate(&[], bench) {
-        print!("{stdout}");
-    }
-}
-
-fn count(var: &str, default: usize) -> usize {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(default)
+    bulkhead_tests::bench::run(bench);
 }
 
 fn bench() {
-    let runs = count("BULKHEAD_BENCH_RUNS", 20);
-    let burst = count("BULKHEAD_BENCH_BURST", 10);
-    let bursts = count("BULKHEAD_BENCH_BURSTS", 2);
+    let runs = env_count("BULKHEAD_BENCH_RUNS", 20);
+    let burst = env_count("BULKHEAD_BENCH_BURST", 10);
+    let bursts = env_count("BULKHEAD_BENCH_BURSTS", 2);
     let daemon = real_daemon("", &[]);
     let client = daemon.client();
     let rt = tokio::runtime::Builder::new_multi_thread()
