@@ -50,14 +50,16 @@ pub enum Error {
 /// Why a VM stopped running, as seen by the vCPU that stopped first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExitReason {
-    /// The guest asked for a reset (i8042 0xfe, triple fault, or KVM_SYSTEM_EVENT_RESET). bulkhead
-    /// never restarts a guest: a reset ends the VM, which is how `reboot` shuts a guest down.
+    /// The guest asked for a reset (i8042 0xfe or KVM_SYSTEM_EVENT_RESET). bulkhead never restarts
+    /// a guest: a reset ends the VM, which is how `reboot` shuts a guest down.
     Reset,
     /// The guest powered off (KVM_SYSTEM_EVENT_SHUTDOWN, or a halted vCPU without in-kernel irqchip).
     PowerOff,
     /// The VMM stopped the VM.
     Stopped,
-    /// The guest crashed in a way KVM reported (KVM_SYSTEM_EVENT_CRASH).
+    /// The guest crashed in a way KVM reported: KVM_SYSTEM_EVENT_CRASH, or KVM_EXIT_SHUTDOWN (a
+    /// triple fault; our `reboot=k` command line resets through the i8042, so a triple fault is a
+    /// crash — a guest booted with `reboot=t` is reported as crashed when it reboots).
     GuestCrash,
     /// KVM or the vCPU failed; the VM cannot continue.
     Fatal(String),
@@ -201,7 +203,7 @@ impl Vcpu {
         match self.fd.run() {
             Ok(VcpuExit::Shutdown) => {
                 self.log_shutdown();
-                State::Exiting(ExitReason::Reset)
+                State::Exiting(ExitReason::GuestCrash)
             }
             Ok(exit) => handle_exit(exit, &self.pio, &self.mmio),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
@@ -212,8 +214,8 @@ impl Vcpu {
         }
     }
 
-    /// KVM_EXIT_SHUTDOWN: the guest triple-faulted (or reboots that way with `reboot=t`). Ends the
-    /// VM like a reset; the registers are logged because with our `reboot=k` it means a crash.
+    /// KVM_EXIT_SHUTDOWN: the guest triple-faulted. Logs the registers (on AMD SVM, KVM has already
+    /// reset the vCPU by then, so they show the reset vector, not the fault).
     fn log_shutdown(&self) {
         let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or_default();
         let (cr2, cr3) = self
@@ -222,7 +224,7 @@ impl Vcpu {
             .map(|s| (s.cr2, s.cr3))
             .unwrap_or_default();
         tracing::warn!(
-            "vCPU {}: KVM_EXIT_SHUTDOWN (triple fault) at rip {rip:#x}, cr2 {cr2:#x}, cr3 {cr3:#x}",
+            "vCPU {}: KVM_EXIT_SHUTDOWN (triple fault): the guest crashed; rip {rip:#x}, cr2 {cr2:#x}, cr3 {cr3:#x}",
             self.id
         );
     }
@@ -261,7 +263,7 @@ fn handle_exit(exit: VcpuExit<'_>, pio: &Bus, mmio: &Bus) -> State {
             mmio.write(addr, data);
             State::Running
         }
-        VcpuExit::Shutdown => State::Exiting(ExitReason::Reset),
+        VcpuExit::Shutdown => State::Exiting(ExitReason::GuestCrash),
         VcpuExit::Hlt => State::Exiting(ExitReason::PowerOff),
         VcpuExit::SystemEvent(kind, _) => State::Exiting(system_event_reason(kind)),
         VcpuExit::FailEntry(reason, cpu) => State::Exiting(ExitReason::Fatal(format!(
@@ -309,13 +311,13 @@ mod tests {
     }
 
     #[test]
-    fn triple_fault_is_a_reset_and_io_keeps_running() {
+    fn triple_fault_is_a_guest_crash_and_io_keeps_running() {
         let bus = Bus::default();
         let mut data = [0u8; 1];
 
         assert!(matches!(
             handle_exit(VcpuExit::Shutdown, &bus, &bus),
-            State::Exiting(ExitReason::Reset)
+            State::Exiting(ExitReason::GuestCrash)
         ));
         assert!(matches!(
             handle_exit(VcpuExit::IoIn(0x3f8, &mut data), &bus, &bus),
