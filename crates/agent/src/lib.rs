@@ -1,17 +1,20 @@
 //! `bulkhead-agent`: the guest's PID 1. It prepares the guest (pseudo-filesystems, hostname),
-//! reaps orphans, and serves the host's requests (run a command, write or read a file, shut
-//! down) over vsock, one request per connection. The wire format is in
+//! reaps orphans, and serves the host's requests (run a command, write or read a file, report
+//! the workspace's changes, shut down) over vsock, one request per connection. The wire format is in
 //! `bulkhead-protocol` and `docs/agent-protocol.md`.
 //!
 //! With `bulkhead.root=/dev/vdX` on the kernel command line it first moves itself into an
 //! overlay root built on that read-only image ([`rootfs`]). Then it mounts the host directories
-//! that `bulkhead.mount=TAG:DIR[:ro]` parameters name, over virtio-fs ([`mounts`]).
+//! that `bulkhead.mount=TAG:DIR[:ro]` parameters name, over virtio-fs ([`mounts`]), after the
+//! clone workspace `bulkhead.workspace=TAG:DIR:clone` asks for ([`workspace`]): a read-only
+//! share under a private overlay, whose change set it reports on request ([`changes`]).
 //!
 //! The same server runs on the host in test mode (`--listen-unix PATH`), without the PID-1
 //! duties, so everything but the vsock transport is testable without a VM.
 
 #![deny(missing_docs)]
 
+pub mod changes;
 pub mod clock;
 pub mod conn;
 pub mod exec;
@@ -25,3 +28,4 @@ pub mod server;
 pub mod spawn;
 pub mod user;
 pub mod vsock;
+pub mod workspace;

@@ -1,11 +1,14 @@
 //! `bulkhead-agent` binary.
 //!
 //! - As PID 1 (no arguments needed; arguments the kernel passes are ignored): prepare the
-//!   guest, switch into the image root when `bulkhead.root=` asks for one, mount the shared
-//!   directories `bulkhead.mount=` names, listen on vsock port 1024, announce readiness to the
+//!   guest, switch into the image root when `bulkhead.root=` asks for one, set up the clone
+//!   workspace `bulkhead.workspace=` asks for, mount the shared directories `bulkhead.mount=`
+//!   names, listen on vsock port 1024, announce readiness to the
 //!   host, serve forever.
-//! - `bulkhead-agent --listen-unix PATH [--ready-unix PATH]`: serve the same protocol on a
-//!   Unix socket, without PID-1 duties (test mode).
+//! - `bulkhead-agent --listen-unix PATH [--ready-unix PATH] [--workspace-upper DIR
+//!   --workspace-lower DIR]`: serve the same protocol on a Unix socket, without PID-1 duties
+//!   (test mode); the workspace flags name directories laid out like an overlay's upper and
+//!   lower layers, whose change set `WorkspaceChanges` then reports.
 
 use std::ffi::OsString;
 use std::os::unix::net::UnixListener;
@@ -13,12 +16,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
-use bulkhead_agent::{clock, init, log, mounts, reaper, rootfs, vsock};
+use bulkhead_agent::{clock, init, log, mounts, reaper, rootfs, vsock, workspace};
 use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
 
 const USAGE: &str =
     "usage: bulkhead-agent                 (as PID 1 inside a bulkhead VM)\n       \
-                     bulkhead-agent --listen-unix PATH [--ready-unix PATH]   (test mode)\n";
+                     bulkhead-agent --listen-unix PATH [--ready-unix PATH]\n        \
+                     [--workspace-upper DIR --workspace-lower DIR]   (test mode)\n";
 
 /// What the command line asks for (when not PID 1).
 #[derive(Debug, PartialEq, Eq)]
@@ -28,12 +32,15 @@ enum Args {
     Test {
         listen: PathBuf,
         ready: Option<PathBuf>,
+        /// Upper and lower directories of a stand-in workspace.
+        layers: Option<(PathBuf, PathBuf)>,
     },
 }
 
 fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> {
     let mut listen = None;
     let mut ready = None;
+    let (mut upper, mut lower) = (None, None);
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         let mut value = |name: &str| {
@@ -46,11 +53,22 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> 
             Some("--version" | "-V") => return Ok(Args::Version),
             Some("--listen-unix") => listen = Some(value("--listen-unix")?),
             Some("--ready-unix") => ready = Some(value("--ready-unix")?),
+            Some("--workspace-upper") => upper = Some(value("--workspace-upper")?),
+            Some("--workspace-lower") => lower = Some(value("--workspace-lower")?),
             _ => return Err(format!("unknown argument {arg:?}")),
         }
     }
     let listen = listen.ok_or("not PID 1: test mode needs --listen-unix PATH")?;
-    Ok(Args::Test { listen, ready })
+    let layers = match (upper, lower) {
+        (Some(upper), Some(lower)) => Some((upper, lower)),
+        (None, None) => None,
+        _ => return Err("--workspace-upper and --workspace-lower go together".into()),
+    };
+    Ok(Args::Test {
+        listen,
+        ready,
+        layers,
+    })
 }
 
 fn ready_message(init_started: BootTimestamps) -> Ready {
@@ -68,6 +86,12 @@ fn run_pid1(started: BootTimestamps) -> ! {
         // No root, no sandbox: end the VM before announcing readiness (see `rootfs`).
         log!("root filesystem: {e}; rebooting");
         init::debug_port_write(format!("bulkhead-agent: root filesystem: {e}\n").as_bytes());
+        init::reboot();
+    }
+    if let Err(e) = workspace::mount_from_cmdline() {
+        // The clone workspace is the sandbox's view of the project: no command runs without it.
+        log!("workspace: {e}; rebooting");
+        init::debug_port_write(format!("bulkhead-agent: workspace: {e}\n").as_bytes());
         init::reboot();
     }
     if let Err(e) = mounts::mount_from_cmdline() {
@@ -93,7 +117,15 @@ fn run_pid1(started: BootTimestamps) -> ! {
     server::serve(&listener, ShutdownAction::Reboot)
 }
 
-fn run_test_mode(started: BootTimestamps, listen: PathBuf, ready: Option<PathBuf>) -> ExitCode {
+fn run_test_mode(
+    started: BootTimestamps,
+    listen: PathBuf,
+    ready: Option<PathBuf>,
+    layers: Option<(PathBuf, PathBuf)>,
+) -> ExitCode {
+    if let Some((upper, lower)) = layers {
+        workspace::use_layers(upper, lower);
+    }
     // Orphans of the commands we run come to us, as they would to PID 1.
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
@@ -128,7 +160,11 @@ fn main() -> ExitCode {
             println!("bulkhead-agent {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
         }
-        Ok(Args::Test { listen, ready }) => run_test_mode(started, listen, ready),
+        Ok(Args::Test {
+            listen,
+            ready,
+            layers,
+        }) => run_test_mode(started, listen, ready, layers),
         Err(message) => {
             eprint!("bulkhead-agent: {message}\n{USAGE}");
             ExitCode::from(2)
@@ -156,7 +192,8 @@ mod tests {
             full,
             Ok(Args::Test {
                 listen: "/a".into(),
-                ready: Some("/b".into())
+                ready: Some("/b".into()),
+                layers: None,
             })
         );
         assert!(missing.unwrap_err().contains("--listen-unix"));

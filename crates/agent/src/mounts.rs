@@ -89,7 +89,7 @@ pub fn parse_cmdline(cmdline: &str) -> Result<Vec<MountSpec>, MountError> {
 }
 
 /// Parses `TAG:ENCODED_DIR[:ro]`.
-fn parse_value(value: &str) -> Result<MountSpec, MountError> {
+pub(crate) fn parse_value(value: &str) -> Result<MountSpec, MountError> {
     let bad = |reason| MountError::Param {
         value: value.to_owned(),
         reason,

@@ -13,7 +13,7 @@ use bulkhead_protocol::{
 };
 
 use crate::conn::Conn;
-use crate::{exec, files, init, log, vsock};
+use crate::{exec, files, init, log, vsock, workspace};
 
 /// Delays before the retries of the `Ready` connection (4 retries, 300 ms in all).
 const READY_RETRY_DELAYS: [Duration; 4] = [
@@ -94,10 +94,12 @@ pub fn handle_connection(mut conn: Conn, on_shutdown: ShutdownAction) {
         Frame::FileWrite(req) => files::serve_write(conn, &req),
         Frame::FileRead(req) => files::serve_read(conn, &req),
         Frame::Shutdown(req) => shutdown(conn, req, on_shutdown),
+        Frame::WorkspaceChanges(req) => workspace::serve_changes(conn, &req),
         other => reply_error(
             conn,
             format!(
-                "expected Exec, FileWrite, FileRead or Shutdown as the first frame, got {}",
+                "expected Exec, FileWrite, FileRead, WorkspaceChanges or Shutdown as the first \
+                 frame, got {}",
                 other.kind()
             ),
         ),

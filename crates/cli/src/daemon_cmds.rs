@@ -1,6 +1,6 @@
 //! The verbs that talk to `bulkheadd` over its socket (`--socket`, `$BULKHEAD_SOCKET`, default
-//! `/run/bulkhead/bulkheadd.sock`): `create`, `ls`, `exec`, `cp`, `rm`, `logs`. `bulkhead run`
-//! needs no daemon.
+//! `/run/bulkhead/bulkheadd.sock`): `create`, `ls`, `exec`, `cp`, `rm`, `logs` (and `diff`,
+//! `export` in `workspace_cmds`). `bulkhead run` needs no daemon.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -8,6 +8,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_client::{Client, CreateSandbox, ExecEvent, ExecSpec, SandboxInfo};
+use bulkhead_sandbox::{Mount, Workspace};
+
+use crate::workspace_cmds::{mount_spec, workspace_spec};
 
 /// How to reach the daemon.
 #[derive(Debug, Clone, clap::Args)]
@@ -18,7 +21,7 @@ pub struct DaemonOpts {
 }
 
 impl DaemonOpts {
-    fn client(&self) -> Client {
+    pub(crate) fn client(&self) -> Client {
         Client::new(&self.socket)
     }
 }
@@ -55,6 +58,15 @@ pub struct CreateArgs {
     /// Environment for every command in the sandbox (repeatable).
     #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = key_value)]
     env: Vec<(String, String)>,
+    /// Share a project directory at /workspace: `direct` (default) read-write, or `clone`:
+    /// read-only under a private writable layer (see `bulkhead diff` and `bulkhead export`).
+    /// DIR must be inside one of the daemon's mount_roots.
+    #[arg(long, value_name = "DIR[:direct|:clone]")]
+    workspace: Option<Workspace>,
+    /// Share a host directory at GUEST_DIR, read-only with `:ro` (repeatable; inside the
+    /// daemon's mount_roots).
+    #[arg(long = "mount", value_name = "HOST_DIR:GUEST_DIR[:ro]")]
+    mounts: Vec<Mount>,
     /// Destroy the sandbox after this many seconds.
     #[arg(long, value_name = "SECS")]
     ttl: Option<u64>,
@@ -154,7 +166,7 @@ fn octal(s: &str) -> Result<u32, String> {
 }
 
 /// Runs `future` on a small runtime; maps its result to the process exit status.
-fn block_on(future: impl std::future::Future<Output = Result<u8, String>>) -> ExitCode {
+pub(crate) fn block_on(future: impl std::future::Future<Output = Result<u8, String>>) -> ExitCode {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build();
@@ -171,9 +183,9 @@ fn block_on(future: impl std::future::Future<Output = Result<u8, String>>) -> Ex
     }
 }
 
-/// The create request of `bulkhead create`'s arguments.
-fn create_spec(args: &CreateArgs) -> CreateSandbox {
-    CreateSandbox {
+/// The create request of `bulkhead create`'s arguments (host paths made absolute).
+fn create_spec(args: &CreateArgs) -> Result<CreateSandbox, String> {
+    Ok(CreateSandbox {
         vcpus: args.vcpus,
         memory_mib: args.memory,
         cpu_quota: args.cpu_quota,
@@ -184,13 +196,19 @@ fn create_spec(args: &CreateArgs) -> CreateSandbox {
         env: args.env.iter().cloned().collect(),
         ttl_s: args.ttl,
         labels: args.labels.iter().cloned().collect(),
-    }
+        workspace: args.workspace.as_ref().map(workspace_spec).transpose()?,
+        mounts: args
+            .mounts
+            .iter()
+            .map(mount_spec)
+            .collect::<Result<_, _>>()?,
+    })
 }
 
 /// `bulkhead create`.
 pub fn create(args: CreateArgs) -> ExitCode {
     block_on(async move {
-        let spec = create_spec(&args);
+        let spec = create_spec(&args)?;
         let info = args
             .daemon
             .client()
@@ -384,8 +402,8 @@ mod tests {
     fn create_passes_image_and_disk_through_and_disk_needs_an_image() {
         // Arrange / Act
         let with_both =
-            parse_create(&["--image", "debian", "--disk", "512"]).map(|a| create_spec(&a));
-        let image_only = parse_create(&["--image", "debian"]).map(|a| create_spec(&a));
+            parse_create(&["--image", "debian", "--disk", "512"]).map(|a| create_spec(&a).unwrap());
+        let image_only = parse_create(&["--image", "debian"]).map(|a| create_spec(&a).unwrap());
         let disk_only = parse_create(&["--disk", "512"]);
 
         // Assert
@@ -395,6 +413,30 @@ mod tests {
         assert_eq!(image_only.unwrap().disk_mib, None);
         let err = disk_only.expect_err("--disk without --image must fail");
         assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
+
+    #[test]
+    fn create_sends_the_workspace_and_mounts_with_absolute_host_paths() {
+        // Arrange / Act
+        let spec = parse_create(&[
+            "--workspace",
+            "proj:clone",
+            "--mount",
+            "/data:/data:ro",
+            "--mount",
+            "cache:/cache",
+        ])
+        .map(|a| create_spec(&a).unwrap())
+        .unwrap();
+
+        // Assert
+        let cwd = std::env::current_dir().unwrap();
+        let ws = spec.workspace.unwrap();
+        assert_eq!(ws.path, cwd.join("proj").display().to_string());
+        assert_eq!(ws.mode, bulkhead_client::WorkspaceMode::Clone);
+        assert_eq!(spec.mounts.len(), 2);
+        assert!(spec.mounts[0].ro && !spec.mounts[1].ro);
+        assert_eq!(spec.mounts[1].host, cwd.join("cache").display().to_string());
     }
 
     #[test]

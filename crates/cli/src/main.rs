@@ -3,11 +3,13 @@
 //! Exit status of `bulkhead run`: the command's own exit code; 128+N when a signal N killed it;
 //! 124 when `--timeout` expired; 125 when bulkhead itself failed (no VM, bad input).
 
+mod bench;
 mod daemon_cmds;
 mod image_cmds;
 mod run;
 mod rundir;
 mod signals;
+mod workspace_cmds;
 
 use std::process::ExitCode;
 
@@ -25,6 +27,8 @@ struct Cli {
 enum Command {
     /// Boot a microVM, run one command in it, stream its output, destroy the VM.
     Run(run::RunArgs),
+    /// Time N cold starts phase by phase: percentile table, JSON, SVG plot, comparisons.
+    Bench(bench::BenchArgs),
     /// Create a sandbox in the daemon (bulkheadd) and print its ID.
     Create(daemon_cmds::CreateArgs),
     /// List the daemon's sandboxes.
@@ -37,6 +41,11 @@ enum Command {
     Rm(daemon_cmds::RmArgs),
     /// Show a daemon sandbox's VMM output and serial console.
     Logs(daemon_cmds::LogsArgs),
+    /// List what changed in a daemon sandbox's workspace (A/M/D), flagging paths that run code
+    /// on the host implicitly.
+    Diff(workspace_cmds::DiffArgs),
+    /// Write a daemon sandbox's clone-workspace changes as a git patch or a tar archive.
+    Export(workspace_cmds::ExportArgs),
     /// Build, list and delete root filesystem images (`bulkhead run --image NAME`).
     Image(image_cmds::ImageArgs),
 }
@@ -73,12 +82,15 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_BULKHEAD_ERROR)
             }
         },
+        Command::Bench(args) => bench::bench(args),
         Command::Create(args) => daemon_cmds::create(args),
         Command::Ls(args) => daemon_cmds::ls(args),
         Command::Exec(args) => daemon_cmds::exec(args),
         Command::Cp(args) => daemon_cmds::cp(args),
         Command::Rm(args) => daemon_cmds::rm(args),
         Command::Logs(args) => daemon_cmds::logs(args),
+        Command::Diff(args) => workspace_cmds::diff(args),
+        Command::Export(args) => workspace_cmds::export(args),
         Command::Image(args) => image_cmds::image(args),
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bulkhead_image::StoreError;
 use bulkhead_protocol::client::{ExecEvent, ExecWriter};
 use bulkhead_protocol::{ExecRequest, ExitStatus};
-use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage};
+use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, Workspace};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
@@ -38,7 +38,7 @@ pub struct RunArgs {
     /// Environment variable for the command (repeatable).
     #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = parse_env)]
     env: Vec<String>,
-    /// Working directory in the guest.
+    /// Working directory in the guest [default: /workspace with --workspace, else /].
     #[arg(long, value_name = "DIR")]
     workdir: Option<String>,
     /// Kill the command's whole process group after this many seconds (exit status 124).
@@ -53,7 +53,8 @@ pub struct RunArgs {
     /// Seconds to wait for the guest agent to come up.
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     boot_timeout: f64,
-    /// Print start-up timings to stderr.
+    /// Print the cold-start phases (ms since the VMM process started) to stderr when the run
+    /// ends, one line each.
     #[arg(long)]
     timings: bool,
     /// Root filesystem image: a name from `bulkhead image ls` or the path of an ext4 file.
@@ -72,6 +73,10 @@ pub struct RunArgs {
     /// (enforced on the host) (repeatable).
     #[arg(long = "mount", value_name = "HOST_DIR:GUEST_DIR[:ro]")]
     mounts: Vec<Mount>,
+    /// Share a project directory at /workspace: `direct` (default) read-write, or `clone`:
+    /// read-only under a private writable layer, so nothing the command does reaches DIR.
+    #[arg(long, value_name = "DIR[:direct|:clone]")]
+    workspace: Option<Workspace>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<String>,
@@ -100,35 +105,64 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     // Bad images and disks are the user's to fix on any host: report them first.
     bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
     bulkhead_sandbox::mounts::check(&config.mounts).map_err(|e| e.to_string())?;
-    let kvm = host_kvm();
-    if !kvm.can_boot_stock_kernel() {
-        return Err(format!(
-            "{}; run bulkhead inside the nested test host instead: `{}` (see README)",
-            kvm.explain(),
-            testhost_hint()
-        ));
-    }
+    bulkhead_sandbox::workspace::check(config.workspace.as_ref(), &config.mounts)
+        .map_err(|e| e.to_string())?;
+    require_bootable_kvm("run -- CMD")?;
     // This run's own directory for the sandbox's runtime files, so a signal during the boot
     // can remove them (see `signals`); removed at the end of a normal run too.
     let run_dir = rundir::create(&config.runtime_dir)?;
     config.runtime_dir = run_dir.path().to_owned();
     let router = SignalRouter::install(run_dir.path().to_owned())?;
     let sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
-    if args.timings {
-        let t = sandbox.timings();
-        eprintln!(
-            "bulkhead: timings: spawn {:.1} ms, agent ready {:.1} ms",
-            t.spawn.as_secs_f64() * 1e3,
-            t.ready.as_secs_f64() * 1e3
-        );
-    }
     let outcome = run_command(&sandbox, &request, &router);
-    let destroyed = sandbox.destroy();
+    let destroyed = sandbox.destroy_timed();
     let status = outcome?;
-    if let Err(e) = destroyed {
-        eprintln!("bulkhead: warning: {e}");
+    match destroyed {
+        Ok(timings) if args.timings => print_timings(&timings),
+        Ok(_) => {}
+        Err(e) => eprintln!("bulkhead: warning: {e}"),
     }
     Ok(exit_code(&status))
+}
+
+/// `--timings`: one line per phase on stderr, ms since the VMM process started.
+fn print_timings(t: &bulkhead_sandbox::Timings) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    eprintln!(
+        "bulkhead: timings: spawn {:.1} ms, agent ready {:.1} ms (since the sandbox was created)",
+        ms(t.spawn),
+        ms(t.ready)
+    );
+    let Some(phases) = t.phases else {
+        eprintln!("bulkhead: timings: no phase timings (the VMM's report was unreadable)");
+        return;
+    };
+    for (name, at) in phases.named() {
+        match at {
+            Some(at) => eprintln!("bulkhead: phase {name:<13} {:>9.1} ms", ms(at)),
+            None => eprintln!("bulkhead: phase {name:<13}         - (not reached)"),
+        }
+    }
+    if let Some(e2e) = t.create_to_first_output() {
+        eprintln!("bulkhead: create → first output {:.1} ms", ms(e2e));
+    }
+}
+
+/// Fails with a one-line explanation and the test-host command line (for `bulkhead VERB`) when
+/// this host's KVM cannot boot a stock Linux kernel (e.g. kvm_pvm).
+///
+/// # Errors
+/// That explanation.
+pub(crate) fn require_bootable_kvm(verb: &str) -> Result<(), String> {
+    let kvm = host_kvm();
+    if kvm.can_boot_stock_kernel() {
+        return Ok(());
+    }
+    Err(format!(
+        "{}; run bulkhead inside the nested test host instead: `{}` (see README)",
+        kvm.explain(),
+        testhost_hint(verb)
+    ))
 }
 
 fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
@@ -137,6 +171,7 @@ fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
         memory_mib: args.memory,
         ready_timeout: seconds("--boot-timeout", args.boot_timeout)?,
         mounts: args.mounts.clone(),
+        workspace: args.workspace.clone(),
         ..SandboxConfig::default()
     };
     if let Some(kernel) = &args.kernel {
@@ -154,12 +189,12 @@ fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
 /// The `bulkhead-testhost` command line that runs this `bulkhead` in the nested test host: the
 /// binaries' directory and the data directory shared at the same paths, the data directory named
 /// explicitly (the test host's HOME differs).
-fn testhost_hint() -> String {
+fn testhost_hint(verb: &str) -> String {
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"));
     let bin_dir = exe.parent().unwrap_or(Path::new("/")).to_owned();
     let data = bulkhead_sandbox::paths::data_dir();
     format!(
-        "bulkhead-testhost run --share {bin} --share {data} -e BULKHEAD_DATA_DIR={data} -- {exe} run -- CMD",
+        "bulkhead-testhost run --share {bin} --share {data} -e BULKHEAD_DATA_DIR={data} -- {exe} {verb}",
         bin = bin_dir.display(),
         data = data.display(),
         exe = exe.display()
@@ -176,7 +211,7 @@ fn storage(args: &RunArgs) -> Result<Storage, String> {
 
 /// The ext4 file of `--image`: a path when it contains a slash, else an image in the store
 /// (or, when the store has none of that name, a file of that name in the working directory).
-fn resolve_image(value: &str) -> Result<PathBuf, String> {
+pub(crate) fn resolve_image(value: &str) -> Result<PathBuf, String> {
     if value.contains('/') {
         return Ok(PathBuf::from(value));
     }
@@ -192,7 +227,11 @@ fn resolve_image(value: &str) -> Result<PathBuf, String> {
 fn exec_request(args: &RunArgs) -> Result<ExecRequest, String> {
     let mut request = ExecRequest::new(args.command.clone());
     request.env = default_env(&args.env);
-    request.cwd = args.workdir.clone();
+    request.cwd = match (&args.workdir, &args.workspace) {
+        (Some(dir), _) => Some(dir.clone()),
+        (None, Some(_)) => Some(bulkhead_sandbox::workspace::GUEST_DIR.to_owned()),
+        (None, None) => None,
+    };
     request.user = args.user.clone();
     request.stdin = true;
     request.timeout_ms = match args.timeout {
@@ -230,7 +269,9 @@ fn run_command(
     let mut stderr = io::stderr();
     let mut lost: Option<io::Error> = None;
     loop {
-        match reader.next_event().map_err(|e| e.to_string())? {
+        let event = reader.next_event().map_err(|e| e.to_string())?;
+        sandbox.mark_first_output();
+        match event {
             Some(ExecEvent::Stdout(bytes)) => write_out(&mut stdout, &bytes, &mut lost),
             Some(ExecEvent::Stderr(bytes)) => write_out(&mut stderr, &bytes, &mut lost),
             Some(ExecEvent::Exit(status)) => {

@@ -21,6 +21,7 @@
 mod exec;
 mod http;
 pub mod types;
+pub mod workspace;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -33,6 +34,10 @@ pub use exec::{ExecEvent, ExecOutput, ExecStream};
 pub use types::{
     CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo, Failure,
     FileWritten, Health, Limits, SandboxInfo, SandboxState,
+};
+pub use workspace::{
+    ChangeKind, ChangeStatus, ExportFormat, ExportReview, MountSpec, SkippedPath, WorkspaceChange,
+    WorkspaceDiffInfo, WorkspaceMode, WorkspaceSpec, MAX_REVIEW_ENTRIES, REVIEW_HEADER,
 };
 
 /// Where the daemon listens unless told otherwise.
@@ -75,6 +80,9 @@ pub enum Error {
     /// An answer could not be decoded.
     #[error("unexpected answer from bulkheadd: {0}")]
     Decode(String),
+    /// Writing a download (a workspace export) to its destination failed.
+    #[error("writing the download: {0}")]
+    Sink(std::io::Error),
 }
 
 impl Error {
@@ -203,6 +211,52 @@ impl Client {
     pub async fn logs(&self, id: &str, lines: usize) -> Result<String, Error> {
         self.text(&format!("{}?lines={lines}", sandbox_path(id, "/logs")))
             .await
+    }
+
+    /// `GET /v1/sandboxes/{id}/workspace/diff`: what changed in the sandbox's workspace.
+    pub async fn workspace_diff(&self, id: &str) -> Result<WorkspaceDiffInfo, Error> {
+        self.json(Method::GET, &sandbox_path(id, "/workspace/diff"), None)
+            .await
+    }
+
+    /// `GET /v1/sandboxes/{id}/workspace/export?format=`: streams the export of the sandbox's
+    /// clone workspace into `sink`; returns what needs review (from the [`REVIEW_HEADER`]). On
+    /// error `sink` may hold part of the export.
+    pub async fn workspace_export(
+        &self,
+        id: &str,
+        format: ExportFormat,
+        sink: &mut (impl tokio::io::AsyncWrite + Unpin),
+    ) -> Result<ExportReview, Error> {
+        use http_body_util::BodyExt as _;
+        use tokio::io::AsyncWriteExt as _;
+        let path = format!(
+            "{}?format={}",
+            sandbox_path(id, "/workspace/export"),
+            format.as_str()
+        );
+        let response = http::send(&self.socket, Method::GET, &path, None, &[]).await?;
+        let status = response.status();
+        if !status.is_success() {
+            let (_, body) = http::collect(response).await?;
+            return Err(api_error(status, &body));
+        }
+        let review = match response.headers().get(REVIEW_HEADER) {
+            Some(value) => {
+                let bytes = decode_b64(value.to_str().unwrap_or_default())?;
+                serde_json::from_slice(&bytes).map_err(|e| Error::Decode(e.to_string()))?
+            }
+            None => ExportReview::default(),
+        };
+        let mut body = response.into_body();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| Error::Interrupted(e.to_string()))?;
+            if let Ok(data) = frame.into_data() {
+                sink.write_all(&data).await.map_err(Error::Sink)?;
+            }
+        }
+        sink.flush().await.map_err(Error::Sink)?;
+        Ok(review)
     }
 
     /// `GET /metrics`: Prometheus text exposition.

@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::workspace::{MountSpec, WorkspaceSpec};
+
 /// Default vCPU count of a sandbox.
 pub const DEFAULT_VCPUS: u8 = 1;
 /// Default guest RAM of a sandbox, MiB.
@@ -66,6 +68,15 @@ pub struct CreateSandbox {
     /// Free-form labels, for filtering `GET /v1/sandboxes?label=k=v`.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// A host project directory shared at `/workspace`, `direct` (read-write) or `clone`
+    /// (read-only under a private overlay; see `GET .../workspace/diff` and `.../export`).
+    /// Its path must be inside one of the daemon's `mount_roots`. None: no workspace.
+    #[serde(default)]
+    pub workspace: Option<WorkspaceSpec>,
+    /// Host directories shared at guest paths, as `bulkhead run --mount` (at most 8; each
+    /// inside one of the daemon's `mount_roots`).
+    #[serde(default)]
+    pub mounts: Vec<MountSpec>,
 }
 
 impl Default for CreateSandbox {
@@ -81,6 +92,8 @@ impl Default for CreateSandbox {
             env: BTreeMap::new(),
             ttl_s: None,
             labels: BTreeMap::new(),
+            workspace: None,
+            mounts: Vec::new(),
         }
     }
 }
@@ -173,6 +186,12 @@ pub struct SandboxInfo {
     pub disk_mib: Option<u64>,
     /// Labels given at creation.
     pub labels: BTreeMap<String, String>,
+    /// The workspace given at creation.
+    #[serde(default)]
+    pub workspace: Option<WorkspaceSpec>,
+    /// The host directories given at creation.
+    #[serde(default)]
+    pub mounts: Vec<MountSpec>,
     /// Host limits of the VMM process.
     pub limits: Limits,
     /// Host process ID of the VMM while it runs.

@@ -126,6 +126,11 @@ pub struct Config {
     pub max_file_bytes: u64,
     /// Largest output (stdout + stderr) of `POST .../exec/collect`, bytes. Default 16 MiB.
     pub max_collect_bytes: u64,
+    /// Host directories under which create requests may share directories into sandboxes
+    /// (`workspace`, `mounts`; symbolic links resolved before the check). Anyone who may use
+    /// the API can read (and, for read-write shares, change) what is below them, with the
+    /// daemon's rights. Default: none, so requests cannot share host directories.
+    pub mount_roots: Vec<PathBuf>,
 }
 
 impl Default for Config {
@@ -156,6 +161,7 @@ impl Default for Config {
             max_concurrent_boots: None,
             max_file_bytes: 1 << 30,
             max_collect_bytes: 16 << 20,
+            mount_roots: Vec::new(),
         }
     }
 }
@@ -193,6 +199,10 @@ pub struct Overrides {
     /// On start: adopt or destroy sandboxes of an earlier run.
     #[arg(long, value_name = "POLICY", value_parser = parse_restart)]
     pub on_restart: Option<RestartPolicy>,
+    /// A host directory below which requests may share directories (repeatable; replaces the
+    /// file's `mount_roots`).
+    #[arg(long = "mount-root", value_name = "DIR")]
+    pub mount_roots: Vec<PathBuf>,
 }
 
 fn parse_shutdown(s: &str) -> Result<ShutdownPolicy, String> {
@@ -267,6 +277,9 @@ impl Config {
         if let Some(p) = o.on_restart {
             self.on_restart = p;
         }
+        if !o.mount_roots.is_empty() {
+            self.mount_roots.clone_from(&o.mount_roots);
+        }
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -288,6 +301,9 @@ impl Config {
         }
         if self.max_concurrent_boots == Some(0) {
             return invalid("max_concurrent_boots must be positive");
+        }
+        if self.mount_roots.iter().any(|r| !r.is_absolute()) {
+            return invalid("mount_roots must be absolute paths");
         }
         Ok(())
     }

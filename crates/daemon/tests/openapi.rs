@@ -86,6 +86,8 @@ fn the_openapi_document_is_valid_and_matches_the_routes() {
         ("POST", "/v1/sandboxes/{id}/exec/collect"),
         ("PUT", "/v1/sandboxes/{id}/files"),
         ("GET", "/v1/sandboxes/{id}/files"),
+        ("GET", "/v1/sandboxes/{id}/workspace/diff"),
+        ("GET", "/v1/sandboxes/{id}/workspace/export"),
     ]
     .iter()
     .map(|(m, p)| ((*m).to_owned(), (*p).to_owned()))

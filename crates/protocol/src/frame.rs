@@ -23,6 +23,7 @@ use crate::messages::{
     Ack, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest, Ready,
     ShutdownRequest, SignalRequest, Started,
 };
+use crate::workspace::{ChangeRecord, ChangesEnd, WorkspaceChangesRequest};
 use crate::MAX_FRAME;
 
 /// Bytes before the payload: the `u32` length and the `u8` type.
@@ -88,6 +89,8 @@ pub enum FrameType {
     FileRead = 0x04,
     /// Host → guest, JSON [`ShutdownRequest`].
     Shutdown = 0x05,
+    /// Host → guest, JSON [`WorkspaceChangesRequest`].
+    WorkspaceChanges = 0x06,
     /// Guest → host, JSON [`Started`].
     Started = 0x10,
     /// Host → guest, raw bytes for the command's stdin.
@@ -108,17 +111,22 @@ pub enum FrameType {
     End = 0x21,
     /// Guest → host, JSON [`Ack`].
     Ack = 0x22,
+    /// Guest → host, JSON [`ChangeRecord`]: one changed workspace path.
+    Change = 0x30,
+    /// Guest → host, JSON [`ChangesEnd`]: last frame of a change set.
+    ChangesEnd = 0x31,
     /// Guest → host, JSON [`ErrorMessage`]; last frame of a failed request.
     Error = 0x7f,
 }
 
 impl FrameType {
-    const ALL: [FrameType; 16] = [
+    const ALL: [FrameType; 19] = [
         Self::Ready,
         Self::Exec,
         Self::FileWrite,
         Self::FileRead,
         Self::Shutdown,
+        Self::WorkspaceChanges,
         Self::Started,
         Self::Stdin,
         Self::StdinEof,
@@ -129,6 +137,8 @@ impl FrameType {
         Self::Data,
         Self::End,
         Self::Ack,
+        Self::Change,
+        Self::ChangesEnd,
         Self::Error,
     ];
 
@@ -167,6 +177,8 @@ pub enum Frame {
     FileRead(FileReadRequest),
     /// See [`FrameType::Shutdown`].
     Shutdown(ShutdownRequest),
+    /// See [`FrameType::WorkspaceChanges`].
+    WorkspaceChanges(WorkspaceChangesRequest),
     /// See [`FrameType::Started`].
     Started(Started),
     /// See [`FrameType::Stdin`].
@@ -187,6 +199,10 @@ pub enum Frame {
     End,
     /// See [`FrameType::Ack`].
     Ack(Ack),
+    /// See [`FrameType::Change`].
+    Change(ChangeRecord),
+    /// See [`FrameType::ChangesEnd`].
+    ChangesEnd(ChangesEnd),
     /// See [`FrameType::Error`].
     Error(ErrorMessage),
 }
@@ -207,6 +223,7 @@ impl Frame {
             Self::FileWrite(_) => FrameType::FileWrite,
             Self::FileRead(_) => FrameType::FileRead,
             Self::Shutdown(_) => FrameType::Shutdown,
+            Self::WorkspaceChanges(_) => FrameType::WorkspaceChanges,
             Self::Started(_) => FrameType::Started,
             Self::Stdin(_) => FrameType::Stdin,
             Self::StdinEof => FrameType::StdinEof,
@@ -217,6 +234,8 @@ impl Frame {
             Self::Data(_) => FrameType::Data,
             Self::End => FrameType::End,
             Self::Ack(_) => FrameType::Ack,
+            Self::Change(_) => FrameType::Change,
+            Self::ChangesEnd(_) => FrameType::ChangesEnd,
             Self::Error(_) => FrameType::Error,
         }
     }
@@ -233,10 +252,13 @@ impl Frame {
             Self::FileWrite(m) => encode_json(FrameType::FileWrite, m, out),
             Self::FileRead(m) => encode_json(FrameType::FileRead, m, out),
             Self::Shutdown(m) => encode_json(FrameType::Shutdown, m, out),
+            Self::WorkspaceChanges(m) => encode_json(FrameType::WorkspaceChanges, m, out),
             Self::Started(m) => encode_json(FrameType::Started, m, out),
             Self::Signal(m) => encode_json(FrameType::Signal, m, out),
             Self::Exit(m) => encode_json(FrameType::Exit, m, out),
             Self::Ack(m) => encode_json(FrameType::Ack, m, out),
+            Self::Change(m) => encode_json(FrameType::Change, m, out),
+            Self::ChangesEnd(m) => encode_json(FrameType::ChangesEnd, m, out),
             Self::Error(m) => encode_json(FrameType::Error, m, out),
         }
     }
@@ -268,10 +290,13 @@ impl Frame {
             FrameType::FileWrite => Self::FileWrite(json(kind, &payload)?),
             FrameType::FileRead => Self::FileRead(json(kind, &payload)?),
             FrameType::Shutdown => Self::Shutdown(json(kind, &payload)?),
+            FrameType::WorkspaceChanges => Self::WorkspaceChanges(json(kind, &payload)?),
             FrameType::Started => Self::Started(json(kind, &payload)?),
             FrameType::Signal => Self::Signal(json(kind, &payload)?),
             FrameType::Exit => Self::Exit(json(kind, &payload)?),
             FrameType::Ack => Self::Ack(json(kind, &payload)?),
+            FrameType::Change => Self::Change(json(kind, &payload)?),
+            FrameType::ChangesEnd => Self::ChangesEnd(json(kind, &payload)?),
             FrameType::Error => Self::Error(json(kind, &payload)?),
         })
     }

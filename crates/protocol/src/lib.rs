@@ -12,8 +12,9 @@
 //! On every stream the bytes are *frames* ([`frame`]): a `u32` little-endian length of the
 //! rest, a `u8` frame type and a payload. Control messages ([`messages`]) carry JSON; data
 //! frames (stdout, stderr, stdin, file contents) carry raw bytes, never decoded.
-//! Each connection carries exactly one request (an exec, a file write, a file read or a
-//! shutdown); several commands at once use several connections.
+//! Each connection carries exactly one request (an exec, a file write, a file read, a
+//! shutdown or a workspace change set, [`workspace`]); several commands at once use several
+//! connections.
 //!
 //! The full wire format, with every sequence and error case, is in `docs/agent-protocol.md`.
 //!
@@ -25,11 +26,15 @@
 pub mod client;
 pub mod frame;
 pub mod messages;
+pub mod workspace;
 
 pub use frame::{read_frame, write_frame, Frame, FrameDecoder, FrameError, FrameType};
 pub use messages::{
     Ack, BootTimestamps, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest,
     Ready, ShutdownRequest, SignalRequest, Started,
+};
+pub use workspace::{
+    ChangeRecord, ChangeStatus, ChangesEnd, EntryKind, SkippedEntry, WorkspaceChangesRequest,
 };
 
 /// The guest vsock port the agent listens on for host requests.

@@ -11,6 +11,15 @@
 //! 4. waits, without polling, until either the agent announces itself or the VMM exits
 //!    (`poll(2)` on the listener and a pidfd of the VMM process).
 //!
+//! A sandbox may get a host project directory at `/workspace` ([`workspace`]): shared
+//! read-write (direct), or read-only under a private overlay (clone) whose changes
+//! [`Sandbox::workspace_diff`] lists and [`Sandbox::export_workspace`] writes as a git patch or
+//! a tar archive, with the paths that run code on the host implicitly flagged for review.
+//!
+//! [`Sandbox::timings`] places every phase of the cold start — VMM start, VM created, guest
+//! memory ready, kernel entry, guest init, agent ready, first output, VM destroyed — on one
+//! timeline ([`phases`]).
+//!
 //! Commands then run through [`Sandbox::exec`]; [`Sandbox::destroy`] (or dropping the sandbox)
 //! stops the VMM with SIGTERM, escalates to SIGKILL after a grace period, and removes the runtime
 //! directory.
@@ -20,12 +29,18 @@
 
 pub mod mounts;
 pub mod paths;
+pub mod phases;
 mod process;
 mod sandbox;
 pub mod storage;
 mod vmm_process;
+pub mod workspace;
 
 pub use mounts::{Mount, MountError};
-pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState, Timings};
+pub use phases::{PhaseClock, Phases, Timings, PHASE_NAMES};
+pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState};
 pub use storage::{Storage, StorageError};
 pub use vmm_process::{start_time_of, VmmExit};
+pub use workspace::{
+    ExportFormat, Workspace, WorkspaceDiff, WorkspaceError, WorkspaceInfo, WorkspaceMode,
+};

@@ -21,9 +21,11 @@ pub(crate) struct SpawnOptions<'a> {
     /// `cgroup.procs` files the VMM joins between fork and exec (see
     /// [`crate::SandboxConfig::cgroup_procs`]).
     pub cgroup_procs: &'a [PathBuf],
+    /// Where the VMM writes its timings report (`--timings-json`), if anywhere.
+    pub timings_json: Option<&'a Path>,
 }
 
-/// Spawns `vmm --config <config>` with stdout/stderr appended to `log`.
+/// Spawns `vmm --config <config> [--timings-json <file>]` with stdout/stderr appended to `log`.
 pub(crate) fn spawn_vmm(
     vmm: &Path,
     config: &Path,
@@ -38,6 +40,9 @@ pub(crate) fn spawn_vmm(
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
+    if let Some(report) = options.timings_json {
+        cmd.arg("--timings-json").arg(report);
+    }
     if options.kill_on_parent_exit {
         // SAFETY: the closure runs in the child between fork and exec and only calls prctl, which
         // is async-signal-safe.
@@ -261,6 +266,7 @@ mod tests {
         let options = SpawnOptions {
             kill_on_parent_exit: true,
             cgroup_procs: &[],
+            timings_json: None,
         };
 
         // Act: spawn from a worker thread, then wait until that thread is fully gone (the

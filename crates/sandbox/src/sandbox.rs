@@ -6,6 +6,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Child;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use bulkhead_protocol::client::{accept_ready, AgentClient, ClientError, ExecSession};
@@ -15,9 +16,11 @@ use bulkhead_vmm::config::{SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CI
 
 use crate::mounts::{self, Mount, MountError};
 use crate::paths;
+use crate::phases::{self, PhaseClock, Timings, REPORT_FILE};
 use crate::process::{self, SpawnOptions, Woken};
 use crate::storage::{self, Prepared, Storage, StorageError};
 use crate::vmm_process::{start_time_of, Adopted, VmmExit, VmmProcess};
+use crate::workspace::{self, Workspace, WorkspaceError};
 
 /// How long the VMM gets to stop after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -86,6 +89,9 @@ pub enum Error {
     /// A host directory to mount is unusable ([`SandboxConfig::mounts`]).
     #[error(transparent)]
     Mount(#[from] MountError),
+    /// The workspace is unusable ([`SandboxConfig::workspace`]), or its diff or export failed.
+    #[error(transparent)]
+    Workspace(#[from] WorkspaceError),
 }
 
 /// What a sandbox boots and with which resources.
@@ -120,6 +126,9 @@ pub struct SandboxConfig {
     /// Host directories shared into the guest over virtio-fs and mounted by the agent (see
     /// [`mounts`](crate::mounts)). Checked when the sandbox starts.
     pub mounts: Vec<Mount>,
+    /// A host project directory at `/workspace`, direct or clone (see
+    /// [`workspace`](crate::workspace)). Checked when the sandbox starts.
+    pub workspace: Option<Workspace>,
 }
 
 impl Default for SandboxConfig {
@@ -137,17 +146,9 @@ impl Default for SandboxConfig {
             kill_on_parent_exit: true,
             cgroup_procs: Vec::new(),
             mounts: Vec::new(),
+            workspace: None,
         }
     }
-}
-
-/// Start-up phase timings of a sandbox, as the host saw them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Timings {
-    /// From the start of [`Sandbox::start`] to the VMM process being spawned.
-    pub spawn: Duration,
-    /// From the start of [`Sandbox::start`] to the agent's readiness announcement.
-    pub ready: Duration,
 }
 
 /// What another process needs to take over a running sandbox with [`Sandbox::adopt`] (e.g. a
@@ -175,6 +176,9 @@ pub struct Sandbox {
     uds_path: PathBuf,
     ready: Ready,
     timings: Timings,
+    /// The VMM's timeline, for phases measured after the start.
+    clock: Option<PhaseClock>,
+    first_output: OnceLock<Instant>,
 }
 
 impl Sandbox {
@@ -200,8 +204,10 @@ impl Sandbox {
         let started = Instant::now();
         check_inputs(config)?;
         storage::check(storage, &config.runtime_dir)?;
+        let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
         let dir = make_runtime_dir(&config.runtime_dir)?;
         let disks = storage::prepare(storage, dir.path())?;
+        workspace::record(dir.path(), &ws)?;
         let uds_path = dir.path().join("vm.sock");
         let ready_path = dir.path().join(format!("vm.sock_{READY_PORT}"));
         let listener = UnixListener::bind(&ready_path).map_err(|source| Error::RuntimeDir {
@@ -209,11 +215,13 @@ impl Sandbox {
             source,
         })?;
         let config_path = dir.path().join("vm.json");
-        write_vm_config(config, &disks, &uds_path, &config_path)?;
+        write_vm_config(config, &disks, &ws, &uds_path, &config_path)?;
         let log_path = dir.path().join("vmm.log");
+        let report_path = dir.path().join(REPORT_FILE);
         let options = SpawnOptions {
             kill_on_parent_exit: config.kill_on_parent_exit,
             cgroup_procs: &config.cgroup_procs,
+            timings_json: Some(&report_path),
         };
         let mut child = process::spawn_vmm(&config.vmm_binary, &config_path, &log_path, options)
             .map_err(|source| Error::Spawn {
@@ -228,9 +236,13 @@ impl Sandbox {
                 return Err(e);
             }
         };
+        let ready_at = Instant::now();
+        let (clock, phases) = phases::read(&report_path, &ready, ready_at);
         let timings = Timings {
             spawn,
-            ready: started.elapsed(),
+            ready: ready_at - started,
+            vmm_start: clock.map(|c| c.origin().saturating_duration_since(started)),
+            phases,
         };
         Ok(Sandbox {
             dir: Some(dir.keep()),
@@ -238,6 +250,8 @@ impl Sandbox {
             uds_path,
             ready,
             timings,
+            clock,
+            first_output: OnceLock::new(),
         })
     }
 
@@ -259,9 +273,40 @@ impl Sandbox {
         &self.ready
     }
 
-    /// Host-side start-up timings.
+    /// Start-up timings: host-side durations and every phase reached so far (`first_output`
+    /// once [`Sandbox::mark_first_output`] was called).
     pub fn timings(&self) -> Timings {
-        self.timings
+        let mut timings = self.timings;
+        if let (Some(phases), Some(at)) = (timings.phases.as_mut(), self.first_output.get()) {
+            phases.first_output = self.phase_offset(*at);
+        }
+        timings
+    }
+
+    /// Records now as the `first_output` phase; only the first call counts. Call it when the
+    /// first output (or, for a silent command, the exit status) of the first command arrives.
+    pub fn mark_first_output(&self) {
+        self.first_output.get_or_init(Instant::now);
+    }
+
+    /// Time from this sandbox's VMM process start to `at`, the timeline of
+    /// [`Timings::phases`]; `None` without phases.
+    pub fn phase_offset(&self, at: Instant) -> Option<Duration> {
+        self.clock.map(|clock| clock.offset(at))
+    }
+
+    /// Like [`Sandbox::destroy`], returning the final timings, with `vm_destroyed` the moment
+    /// the VMM process was reaped.
+    ///
+    /// # Errors
+    /// As [`Sandbox::destroy`].
+    pub fn destroy_timed(mut self) -> Result<Timings, Error> {
+        let mut timings = self.timings();
+        self.teardown()?;
+        if let Some(phases) = timings.phases.as_mut() {
+            phases.vm_destroyed = self.phase_offset(Instant::now());
+        }
+        Ok(timings)
     }
 
     /// The VM's vsock Unix socket (for hybrid-protocol clients).
@@ -363,7 +408,11 @@ impl Sandbox {
             timings: Timings {
                 spawn: Duration::ZERO,
                 ready: Duration::ZERO,
+                vmm_start: None,
+                phases: None,
             },
+            clock: None,
+            first_output: OnceLock::new(),
         })
     }
 
@@ -489,14 +538,19 @@ fn make_runtime_dir(parent: &Path) -> Result<tempfile::TempDir, Error> {
 fn write_vm_config(
     config: &SandboxConfig,
     disks: &Prepared,
+    ws: &workspace::Prepared,
     uds_path: &Path,
     path: &Path,
 ) -> Result<(), Error> {
-    let shared = mounts::prepare(&config.mounts)?;
+    let mut all_mounts = config.mounts.clone();
+    all_mounts.extend(ws.mount.clone());
+    let mut shared = mounts::prepare(&all_mounts)?;
+    shared.shares.extend(ws.share.clone());
     let mut cmdline = format!("{DEFAULT_CMDLINE} quiet");
     for extra in disks
         .cmdline
         .iter()
+        .chain(&ws.cmdline)
         .chain(&shared.cmdline)
         .chain(&config.extra_cmdline)
     {
@@ -706,6 +760,7 @@ mod tests {
         write_vm_config(
             &config,
             &Prepared::default(),
+            &workspace::Prepared::default(),
             Path::new("/run/x/vm.sock"),
             &path,
         )

@@ -10,6 +10,7 @@
 //! - [`boot`]: kernel/initramfs loading and kernel command-line building.
 //! - [`devices`]: emulated devices and the port-I/O / MMIO buses they sit on.
 //! - [`config`]: the VM configuration (JSON or command-line flags) and its validation.
+//! - [`timings`]: the boot-timeline report (`bulkhead-vmm --timings-json`).
 #![deny(missing_docs)]
 
 pub mod arch;
@@ -18,6 +19,7 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
+pub mod timings;
 pub mod vmm;
 pub mod vstate;
 

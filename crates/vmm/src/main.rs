@@ -5,13 +5,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
 
 use bulkhead_vmm::builder::build_with_kvm;
 use bulkhead_vmm::config::{
     DiskConfig, SerialOutput, ShareConfig, VmConfig, VsockConfig, DEFAULT_GUEST_CID,
     DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
 };
+use bulkhead_vmm::timings::{guest_ranges, ProcessClock, TimingsReport};
 use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
 use bulkhead_vmm::{ExitReason, StopHandle};
 use clap::Parser;
@@ -60,7 +60,9 @@ struct Args {
     /// The guest's vsock context ID.
     #[arg(long, value_name = "CID", default_value_t = DEFAULT_GUEST_CID, requires = "vsock_uds")]
     vsock_cid: u64,
-    /// Write the boot phase timestamps (ms since this process started) as JSON to FILE at exit.
+    /// Write the boot phase timestamps (ms since this process started) as JSON to FILE, once as
+    /// soon as the vCPUs run and again at exit (each time atomically; see `timings` in the
+    /// library docs).
     #[arg(long, value_name = "FILE")]
     timings_json: Option<PathBuf>,
     /// KVM device node (for tests and jails).
@@ -97,7 +99,7 @@ impl Args {
 }
 
 fn main() -> ExitCode {
-    let process_start = Instant::now();
+    let process_start = ProcessClock::now();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         // Log files (a sandbox's vmm.log, CI output) get no colour codes.
@@ -142,7 +144,7 @@ fn run(
     args: Args,
     allow_pvm: bool,
     kvm_device: &Path,
-    timings: Option<(PathBuf, Instant)>,
+    timings: Option<(PathBuf, ProcessClock)>,
 ) -> Result<ExitCode, String> {
     let config = args.into_config().map_err(|e| e.to_string())?;
     let kvm = host_kvm();
@@ -154,11 +156,22 @@ fn run(
     }
     let vmm = build_with_kvm(&config, kvm_device).map_err(|e| e.to_string())?;
     stop_on_signals(vmm.stop_handle())?;
-    let outcome = vmm.run().map_err(|e| e.to_string())?;
+    let ranges = guest_ranges(vmm.guest_memory());
+    let outcome = vmm
+        .run_observed(|timeline| {
+            if let Some((path, origin)) = &timings {
+                let report = TimingsReport::new(timeline, *origin, true, ranges.clone());
+                // A reader simply finds no phases; the VM itself is fine.
+                if let Err(e) = report.write_atomic(path) {
+                    tracing::warn!("{e}");
+                }
+            }
+        })
+        .map_err(|e| e.to_string())?;
     if let Some((path, origin)) = timings {
-        let json = serde_json::to_string(&outcome.timeline.offsets_ms(origin)).unwrap_or_default();
-        std::fs::write(&path, json)
-            .map_err(|e| format!("cannot write timings to {}: {e}", path.display()))?;
+        TimingsReport::new(&outcome.timeline, origin, false, ranges)
+            .write_atomic(&path)
+            .map_err(|e| format!("cannot write timings: {e}"))?;
     }
     Ok(match outcome.reason {
         ExitReason::Reset | ExitReason::PowerOff | ExitReason::Stopped => ExitCode::SUCCESS,

@@ -39,7 +39,8 @@ pub struct BootTimeline {
     pub vm_created: Option<Instant>,
     /// Kernel, initramfs, command line and boot structures are in guest memory.
     pub payload_loaded: Option<Instant>,
-    /// The first vCPU thread was started (just before its first KVM_RUN).
+    /// The vCPU threads are about to be started (kernel entry: each thread's first KVM_RUN
+    /// follows within its thread's start-up).
     pub vcpus_started: Option<Instant>,
     /// The guest's first write to the debug port (its init announcing itself).
     pub guest_first_debug_write: Option<Instant>,
@@ -154,7 +155,21 @@ impl Vmm {
     /// # Errors
     /// [`Error::Vcpu`] when a vCPU thread cannot start (the VM is stopped first),
     /// [`Error::EventLoop`], [`Error::VcpuPanic`].
-    pub fn run(mut self) -> Result<RunOutcome, Error> {
+    pub fn run(self) -> Result<RunOutcome, Error> {
+        self.run_observed(|_| {})
+    }
+
+    /// Like [`Vmm::run`], calling `on_started` once, on this thread, right after the vCPU threads
+    /// have started and before the event loop first runs (so before any virtio device is
+    /// serviced), with the timeline so far (`vcpus_started` set). `bulkhead-vmm` writes its
+    /// timings report there. Not called when a vCPU thread cannot start.
+    ///
+    /// # Errors
+    /// As [`Vmm::run`].
+    pub fn run_observed(
+        mut self,
+        on_started: impl FnOnce(&BootTimeline),
+    ) -> Result<RunOutcome, Error> {
         let reset_evt = self
             .reset_evt
             .try_clone()
@@ -165,7 +180,10 @@ impl Vmm {
         self.timeline.vcpus_started = Some(Instant::now());
         let (threads, started) = start_vcpus(std::mem::take(&mut self.vcpus));
         let looped = match started {
-            Ok(()) => run_event_loop(&mut self.event_manager, &exit),
+            Ok(()) => {
+                on_started(&self.timeline);
+                run_event_loop(&mut self.event_manager, &exit)
+            }
             Err(e) => Err(e),
         };
         let joined = stop_vcpus(&self.shared, threads);

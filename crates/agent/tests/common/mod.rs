@@ -31,6 +31,11 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent and waits for its Ready message.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Like [`Agent::start`], with extra command-line arguments.
+    pub fn start_with(extra: &[&std::ffi::OsStr]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
         let ready_path = dir.path().join("agent.sock_1025");
@@ -40,6 +45,7 @@ impl Agent {
             .arg(&socket)
             .arg("--ready-unix")
             .arg(&ready_path)
+            .args(extra)
             .spawn()
             .unwrap();
         let ready = accept_ready(&ready_listener, PATIENCE).unwrap();

@@ -6,6 +6,7 @@ pub mod exec;
 pub mod files;
 pub mod sandboxes;
 pub mod system;
+pub mod workspace;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post, put};
@@ -38,6 +39,8 @@ pub const MAX_JSON_BYTES: usize = 1 << 20;
         exec::exec_collect,
         files::put_file,
         files::get_file,
+        workspace::diff,
+        workspace::export,
     ),
     components(schemas(
         bulkhead_client::CreateSandbox,
@@ -53,11 +56,22 @@ pub const MAX_JSON_BYTES: usize = 1 << 20;
         bulkhead_client::Health,
         bulkhead_client::ErrorBody,
         bulkhead_client::ErrorDetail,
+        bulkhead_client::WorkspaceSpec,
+        bulkhead_client::WorkspaceMode,
+        bulkhead_client::MountSpec,
+        bulkhead_client::WorkspaceDiffInfo,
+        bulkhead_client::WorkspaceChange,
+        bulkhead_client::ChangeStatus,
+        bulkhead_client::ChangeKind,
+        bulkhead_client::SkippedPath,
+        bulkhead_client::ExportFormat,
+        bulkhead_client::ExportReview,
     )),
     tags(
         (name = "sandboxes", description = "Sandbox lifecycle"),
         (name = "exec", description = "Running commands"),
         (name = "files", description = "Guest files"),
+        (name = "workspace", description = "Workspace diff and export"),
         (name = "system", description = "Health, metrics, this document"),
     )
 )]
@@ -83,6 +97,11 @@ pub fn router(manager: Manager) -> Router {
         .route(
             "/v1/sandboxes/{id}/files",
             put(files::put_file).get(files::get_file),
+        )
+        .route("/v1/sandboxes/{id}/workspace/diff", get(workspace::diff))
+        .route(
+            "/v1/sandboxes/{id}/workspace/export",
+            get(workspace::export),
         )
         .fallback(system::not_found)
         .method_not_allowed_fallback(system::method_not_allowed)

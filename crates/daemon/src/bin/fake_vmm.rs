@@ -7,6 +7,10 @@
 //! (`CONNECT 1024\n` → `OK <port>\n`) by handing each connection to the guest agent's own server,
 //! run in this process. Commands therefore run on the host, as the agent's test mode runs them.
 //! SIGTERM ends it, as it ends `bulkhead-vmm`.
+//!
+//! A clone workspace (a read-only share tagged `workspace`) has no overlay here: the agent
+//! reports the changes of `workspace-upper/` next to the VM configuration (which tests fill as
+//! an overlay's upper directory) against the shared directory.
 
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
@@ -17,7 +21,7 @@ use std::thread;
 
 use bulkhead_agent::conn::Conn;
 use bulkhead_agent::server::{self, ReadyTarget, ShutdownAction};
-use bulkhead_agent::{clock, reaper};
+use bulkhead_agent::{clock, reaper, workspace};
 use bulkhead_protocol::{Ready, AGENT_PORT, PROTOCOL_VERSION, READY_PORT};
 use bulkhead_vmm::config::VmConfig;
 
@@ -39,6 +43,11 @@ fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
     let config = config_path()?;
     let vm = VmConfig::from_file(&config).map_err(|e| e.to_string())?;
     let vsock = vm.vsock.ok_or("the VM has no vsock device")?;
+    if let Some(share) = vm.shares.iter().find(|s| s.tag == "workspace") {
+        let upper = config.with_file_name("workspace-upper");
+        std::fs::create_dir_all(&upper).map_err(|e| format!("{}: {e}", upper.display()))?;
+        workspace::use_layers(upper, share.path.clone());
+    }
     // Commands the agent runs are our children; reap them (and their orphans) as PID 1 would.
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };

@@ -121,7 +121,8 @@ impl Manager {
             // VMs outlive the daemon (restarts adopt them).
             kill_on_parent_exit: false,
             cgroup_procs: Vec::new(),
-            mounts: Vec::new(),
+            mounts: plan.mounts.clone(),
+            workspace: plan.workspace.clone(),
         }
     }
 

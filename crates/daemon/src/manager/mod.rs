@@ -18,6 +18,10 @@ mod lifecycle;
 pub mod plan;
 pub mod procs;
 mod recover;
+pub mod shares;
+mod workspace;
+
+pub use workspace::WorkspaceFailure;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -332,6 +336,8 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
         image: r.spec.image.clone(),
         disk_mib: r.spec.disk_mib,
         labels: r.spec.labels.clone(),
+        workspace: r.spec.workspace.clone(),
+        mounts: r.spec.mounts.clone(),
         limits: r.limits.clone(),
         vmm_pid,
         failure: r.failure.clone(),

@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use bulkhead_client::CreateSandbox;
-use bulkhead_sandbox::Storage;
+use bulkhead_sandbox::{Mount, Storage, Workspace};
 
-use super::{images, ManagerError};
+use super::{images, shares, ManagerError};
 use crate::cgroup::VmLimits;
 use crate::config::Config;
 use crate::util;
@@ -35,6 +35,10 @@ pub struct VmPlan {
     pub storage: Storage,
     /// Host limits.
     pub limits: VmLimits,
+    /// Host directories shared into the guest (resolved inside the `mount_roots`).
+    pub mounts: Vec<Mount>,
+    /// The workspace at `/workspace` (resolved inside the `mount_roots`).
+    pub workspace: Option<Workspace>,
 }
 
 /// What a plan needs to know about the host.
@@ -96,6 +100,7 @@ pub fn plan(
     )?;
     let initrd = config.image.clone();
     let storage = images::storage_of(config, spec)?;
+    let (mounts, workspace) = shares::shares_of(config, spec)?;
     let memory_bytes = memory_limit_mib(config, spec, host).saturating_mul(1 << 20);
     Ok(VmPlan {
         kernel,
@@ -106,6 +111,8 @@ pub fn plan(
             cpu_quota: spec.cpu_quota,
             pids_max,
         },
+        mounts,
+        workspace,
     })
 }
 

@@ -15,6 +15,7 @@
 mod exec;
 mod hybrid;
 mod ready;
+mod workspace;
 
 use std::io::{self, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -24,6 +25,7 @@ use std::time::Duration;
 pub use exec::{ExecEvent, ExecOutput, ExecReader, ExecSession, ExecWriter};
 pub use hybrid::connect_hybrid;
 pub use ready::accept_ready;
+pub use workspace::{ChangeEvent, ChangeStream, CHANGES_READ_TIMEOUT};
 
 use crate::frame::{encode_raw, read_frame, write_frame, Frame, FrameError, FrameType};
 use crate::messages::{ExecRequest, FileReadRequest, FileWriteRequest, ShutdownRequest};

@@ -1,0 +1,453 @@
+//! The clone workspace: a host directory shared read-only over virtio-fs as the lower layer of
+//! an overlay file system whose upper layer is private to the sandbox, and the
+//! `WorkspaceChanges` request that reports what the guest changed in it ([`crate::changes`]).
+//!
+//! Command-line contract (the host side is `bulkhead-sandbox`'s `workspace` module):
+//!
+//! ```text
+//! bulkhead.workspace=TAG:GUEST_DIR:clone
+//! ```
+//!
+//! `TAG` and the percent-encoded `GUEST_DIR` follow the rules of `bulkhead.mount=`
+//! ([`crate::mounts`]). (A *direct* workspace is a plain read-write `bulkhead.mount=`.) After
+//! switching into an image root and before the other shares are mounted, the agent:
+//!
+//! 1. mounts the share read-only at `/run/bulkhead/workspace/lower`;
+//! 2. mounts the writable layer at `/run/bulkhead/workspace/rw`: the sandbox's scratch disk
+//!    when the image root has one (`bulkhead.overlay=/dev/vdX`; the same file system again,
+//!    with the workspace's layers in `workspace/upper` and `workspace/work` next to the root's
+//!    own), else a fresh tmpfs (guest RAM);
+//! 3. mounts `overlay` at `GUEST_DIR` (`nosuid,nodev`, `redirect_dir=off,metacopy=off,
+//!    index=off`, so every change is a plain copy-up or whiteout that [`crate::changes`]
+//!    understands);
+//! 4. keeps open directory descriptors of the lower and upper directories and detaches the two
+//!    staging mounts (the overlay holds its own references), so guest commands see only
+//!    `GUEST_DIR`; the change set is read through `/proc/self/fd/N`.
+//!
+//! Nothing the guest does reaches the host directory: the VMM's file server refuses every write
+//! to the read-only share (`EROFS`), and overlayfs never writes to a lower layer.
+//!
+//! A malformed parameter or a failed mount is fatal, as for shares: PID 1 logs the reason to the
+//! debug port and reboots before announcing readiness.
+
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use bulkhead_protocol::frame::encode_raw;
+use bulkhead_protocol::{
+    write_frame, ChangeRecord, ChangesEnd, EntryKind, Frame, FrameType, WorkspaceChangesRequest,
+    DATA_CHUNK, PROTOCOL_VERSION,
+};
+
+use crate::changes::{self, Change};
+use crate::conn::Conn;
+use crate::mounts;
+use crate::rootfs::{self, Step, Upper};
+
+/// Kernel command-line key of the clone workspace.
+pub const WORKSPACE_KEY: &str = "bulkhead.workspace";
+
+/// Suffix of the value selecting clone mode (the only mode the agent sets up itself).
+pub const CLONE_SUFFIX: &str = ":clone";
+
+/// Where the layers are mounted while the overlay is built.
+pub const STAGING_DIR: &str = "/run/bulkhead/workspace";
+
+/// Directory on the writable layer holding the workspace's `upper` and `work` directories.
+const LAYER_DIR: &str = "workspace";
+
+/// Bad parameters and failed mounts.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkspaceError {
+    /// The `bulkhead.workspace=` value is malformed.
+    #[error("bad {WORKSPACE_KEY}={value}: {reason}")]
+    Param {
+        /// The raw value.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Building the overlay failed.
+    #[error(transparent)]
+    Mount(#[from] rootfs::RootfsError),
+    /// Opening a layer directory failed.
+    #[error("opening {}: {source}", path.display())]
+    Open {
+        /// The directory.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+}
+
+/// What `bulkhead.workspace=` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloneSpec {
+    /// The virtio-fs tag of the read-only share.
+    pub tag: String,
+    /// Where the merged workspace appears.
+    pub target: PathBuf,
+    /// Where the writable layer lives.
+    pub upper: Upper,
+}
+
+/// Reads the last `bulkhead.workspace=` of `cmdline`; `Ok(None)` when there is none. The
+/// writable layer goes on the image root's scratch disk when there is one.
+///
+/// # Errors
+/// [`WorkspaceError::Param`] for a malformed value.
+pub fn parse_cmdline(cmdline: &str) -> Result<Option<CloneSpec>, WorkspaceError> {
+    let Some(value) = cmdline
+        .split_whitespace()
+        .filter_map(|p| p.split_once('='))
+        .filter(|(k, _)| *k == WORKSPACE_KEY)
+        .map(|(_, v)| v)
+        .next_back()
+    else {
+        return Ok(None);
+    };
+    let bad = |reason: String| WorkspaceError::Param {
+        value: value.to_owned(),
+        reason,
+    };
+    let share = value
+        .strip_suffix(CLONE_SUFFIX)
+        .ok_or_else(|| bad("expected TAG:DIR:clone".to_owned()))?;
+    let spec = mounts::parse_value(share).map_err(|e| bad(e.to_string()))?;
+    if spec.read_only {
+        return Err(bad("expected TAG:DIR:clone".to_owned()));
+    }
+    let upper = match rootfs::parse_cmdline(cmdline) {
+        Ok(Some(root)) => root.upper,
+        _ => Upper::Tmpfs,
+    };
+    Ok(Some(CloneSpec {
+        tag: spec.tag,
+        target: spec.target,
+        upper,
+    }))
+}
+
+/// The steps that build the workspace overlay for `spec` under `staging`. Pure.
+pub fn mount_plan(spec: &CloneSpec, staging: &Path) -> Vec<Step> {
+    let lower = staging.join("lower");
+    let rw = staging.join("rw");
+    let layers = rw.join(LAYER_DIR);
+    vec![
+        Step::Mkdir(lower.clone()),
+        Step::Mkdir(rw.clone()),
+        Step::Mount {
+            source: spec.tag.clone(),
+            target: lower.clone(),
+            fstype: "virtiofs",
+            flags: libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+            data: String::new(),
+        },
+        match &spec.upper {
+            Upper::Tmpfs => Step::Mount {
+                source: "tmpfs".to_owned(),
+                target: rw.clone(),
+                fstype: "tmpfs",
+                flags: libc::MS_NOSUID | libc::MS_NODEV,
+                data: "mode=0700".to_owned(),
+            },
+            // The scratch disk is mounted already (the root's writable layer): this is a
+            // second mount of the same file system.
+            Upper::Device(dev) => Step::Mount {
+                source: dev.clone(),
+                target: rw.clone(),
+                fstype: rootfs::DISK_FSTYPE,
+                flags: libc::MS_NOSUID | libc::MS_NODEV,
+                data: String::new(),
+            },
+        },
+        Step::Mkdir(layers.join("upper")),
+        Step::Mkdir(layers.join("work")),
+        Step::Mkdir(spec.target.clone()),
+        Step::Mount {
+            source: "overlay".to_owned(),
+            target: spec.target.clone(),
+            fstype: "overlay",
+            flags: libc::MS_NOSUID | libc::MS_NODEV,
+            data: format!(
+                "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off,index=off",
+                lower.display(),
+                layers.join("upper").display(),
+                layers.join("work").display()
+            ),
+        },
+    ]
+}
+
+/// The layer directories the change set is computed from.
+#[derive(Debug)]
+struct Layers {
+    upper: PathBuf,
+    lower: PathBuf,
+    /// Open directories that `upper` and `lower` name through `/proc/self/fd`.
+    _held: Vec<File>,
+}
+
+static LAYERS: OnceLock<Layers> = OnceLock::new();
+
+/// Sets up the clone workspace `/proc/cmdline` asks for. Returns whether there was one. Call as
+/// PID 1 after the root switch.
+///
+/// # Errors
+/// The first bad parameter or failed mount.
+pub fn mount_from_cmdline() -> Result<bool, WorkspaceError> {
+    let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    let Some(spec) = parse_cmdline(&cmdline)? else {
+        return Ok(false);
+    };
+    let staging = Path::new(STAGING_DIR);
+    for step in mount_plan(&spec, staging) {
+        rootfs::apply(&step)?;
+    }
+    let open =
+        |path: PathBuf| File::open(&path).map_err(|source| WorkspaceError::Open { path, source });
+    let upper = open(staging.join("rw").join(LAYER_DIR).join("upper"))?;
+    let lower = open(staging.join("lower"))?;
+    let fd_path = |f: &File| PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
+    let layers = Layers {
+        upper: fd_path(&upper),
+        lower: fd_path(&lower),
+        _held: vec![upper, lower],
+    };
+    // Hiding the staging mounts is tidiness, not safety (guest root could reach the layers
+    // through /proc/1/fd anyway): failures are ignored.
+    for mount in ["lower", "rw"] {
+        detach(&staging.join(mount));
+    }
+    let _ = fs::remove_dir_all(staging);
+    let _ = LAYERS.set(layers);
+    Ok(true)
+}
+
+fn detach(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    if let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_bytes()) {
+        // SAFETY: `c_path` is NUL-terminated and outlives the call.
+        unsafe { libc::umount2(c_path.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// Serves the change set from `upper` and `lower` instead of a mounted workspace (the agent's
+/// test mode and the daemon's fake VMM, which have no overlay). Has no effect once a workspace
+/// is set up.
+pub fn use_layers(upper: PathBuf, lower: PathBuf) {
+    let _ = LAYERS.set(Layers {
+        upper,
+        lower,
+        _held: Vec::new(),
+    });
+}
+
+/// Serves a `WorkspaceChanges` request: `Change` records (with `Data* End` where asked for) and
+/// `ChangesEnd`, or `Error`.
+pub fn serve_changes(mut conn: Conn, req: &WorkspaceChangesRequest) {
+    if let Err(message) = stream_changes(&mut conn, req) {
+        let _ = write_frame(&mut conn, &Frame::error(message));
+    }
+}
+
+fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), String> {
+    if req.version != PROTOCOL_VERSION {
+        return Err(format!(
+            "unsupported protocol version {} (this agent speaks {PROTOCOL_VERSION})",
+            req.version
+        ));
+    }
+    let layers = LAYERS
+        .get()
+        .ok_or("this sandbox has no clone workspace (start it with --workspace DIR:clone)")?;
+    let set = changes::compute(&layers.upper, &layers.lower).map_err(|e| e.to_string())?;
+    let mut frame = Vec::with_capacity(DATA_CHUNK + 64);
+    for change in &set.changes {
+        let data = change.has_contents()
+            && (req.contents
+                || (req.link_targets && change.kind == EntryKind::Symlink)
+                || req
+                    .content_names
+                    .iter()
+                    .any(|n| *n == file_name(&change.path)));
+        send(conn, &Frame::Change(record(change, data)))?;
+        if data {
+            send_contents(conn, &layers.upper.join(&change.path), change, &mut frame)?;
+        }
+    }
+    send(
+        conn,
+        &Frame::ChangesEnd(ChangesEnd {
+            changes: set.changes.len() as u64,
+            skipped: set.skipped,
+        }),
+    )
+}
+
+fn file_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+fn record(change: &Change, data: bool) -> ChangeRecord {
+    ChangeRecord {
+        path: change.path.clone(),
+        status: change.status,
+        kind: change.kind,
+        mode: change.mode,
+        size: change.size,
+        data,
+    }
+}
+
+/// A failed send means the host is gone: the message is never delivered, only returned.
+fn send(conn: &mut Conn, frame: &Frame) -> Result<(), String> {
+    write_frame(conn, frame).map_err(|e| format!("sending to the host: {e}"))
+}
+
+/// Sends a file's bytes or a link's target as `Data` frames and `End`.
+fn send_contents(
+    conn: &mut Conn,
+    path: &Path,
+    change: &Change,
+    frame: &mut Vec<u8>,
+) -> Result<(), String> {
+    let changed_meanwhile = |e: io::Error| {
+        format!(
+            "{} changed while the change set was sent ({e}); ask again",
+            change.path
+        )
+    };
+    let mut chunk = |bytes: &[u8]| -> Result<(), String> {
+        frame.clear();
+        encode_raw(FrameType::Data, bytes, frame).map_err(|e| e.to_string())?;
+        conn.write_all(frame)
+            .map_err(|e| format!("sending to the host: {e}"))
+    };
+    if change.kind == EntryKind::Symlink {
+        let target = fs::read_link(path).map_err(changed_meanwhile)?;
+        use std::os::unix::ffi::OsStrExt;
+        chunk(target.as_os_str().as_bytes())?;
+    } else {
+        let mut file = open_no_follow(path).map_err(changed_meanwhile)?;
+        let mut buf = vec![0u8; DATA_CHUNK];
+        loop {
+            let n = match file.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(changed_meanwhile(e)),
+            };
+            chunk(&buf[..n])?;
+        }
+    }
+    send(conn, &Frame::End)
+}
+
+fn open_no_follow(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clone_workspace_needs_the_clone_suffix_and_a_plain_directory() {
+        // Arrange
+        let bad = [
+            "bulkhead.workspace=workspace:/workspace",
+            "bulkhead.workspace=workspace:/workspace:ro:clone",
+            "bulkhead.workspace=workspace:/a/../b:clone",
+            "bulkhead.workspace=bad/tag:/workspace:clone",
+        ];
+
+        // Act
+        let results: Vec<_> = bad.iter().map(|c| parse_cmdline(c)).collect();
+
+        // Assert
+        assert!(
+            results
+                .iter()
+                .all(|r| matches!(r, Err(WorkspaceError::Param { .. }))),
+            "{results:?}"
+        );
+        assert_eq!(parse_cmdline("console=ttyS0").unwrap(), None);
+    }
+
+    #[test]
+    fn the_writable_layer_is_the_scratch_disk_when_the_image_root_has_one() {
+        // Arrange
+        let with_disk = "bulkhead.root=/dev/vda bulkhead.overlay=/dev/vdb \
+                         bulkhead.workspace=workspace:/work%20space:clone";
+        let without = "bulkhead.workspace=workspace:/workspace:clone";
+
+        // Act
+        let on_disk = parse_cmdline(with_disk).unwrap().unwrap();
+        let in_ram = parse_cmdline(without).unwrap().unwrap();
+
+        // Assert
+        assert_eq!(
+            on_disk,
+            CloneSpec {
+                tag: "workspace".into(),
+                target: "/work space".into(),
+                upper: Upper::Device("/dev/vdb".into()),
+            }
+        );
+        assert_eq!(in_ram.upper, Upper::Tmpfs);
+    }
+
+    #[test]
+    fn the_plan_mounts_the_share_read_only_under_an_overlay_without_redirects_or_metacopy() {
+        // Arrange
+        let spec = CloneSpec {
+            tag: "workspace".into(),
+            target: "/workspace".into(),
+            upper: Upper::Device("/dev/vdb".into()),
+        };
+
+        // Act
+        let plan = mount_plan(&spec, Path::new("/run/bulkhead/workspace"));
+
+        // Assert
+        let mounts: Vec<(&str, &str, bool)> = plan
+            .iter()
+            .filter_map(|s| match s {
+                Step::Mount {
+                    source,
+                    fstype,
+                    flags,
+                    ..
+                } => Some((source.as_str(), *fstype, flags & libc::MS_RDONLY != 0)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            mounts,
+            [
+                ("workspace", "virtiofs", true),
+                ("/dev/vdb", "ext4", false),
+                ("overlay", "overlay", false)
+            ]
+        );
+        let Some(Step::Mount { data, target, .. }) = plan.last() else {
+            panic!("the overlay comes last: {plan:?}");
+        };
+        assert_eq!(target, Path::new("/workspace"));
+        assert_eq!(
+            data,
+            "lowerdir=/run/bulkhead/workspace/lower,\
+             upperdir=/run/bulkhead/workspace/rw/workspace/upper,\
+             workdir=/run/bulkhead/workspace/rw/workspace/work,\
+             redirect_dir=off,metacopy=off,index=off"
+        );
+    }
+}

@@ -1,0 +1,135 @@
+//! `bulkhead bench --compare A.json B.json`: the p50 of every phase, step, the end-to-end time
+//! and the memory overhead in both results, and their ratio B / A (below 1: B is faster or
+//! smaller).
+
+use std::fmt::Write;
+
+use super::report::{BenchReport, Series};
+use super::stats::summarize;
+
+/// One compared quantity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ratio {
+    /// What is compared, e.g. `kernel_entry` or `kernel_entry → guest_init`.
+    pub label: String,
+    /// Its median in A.
+    pub a_p50: Option<f64>,
+    /// Its median in B.
+    pub b_p50: Option<f64>,
+    /// `b_p50 / a_p50`; `None` when either is missing or A's is zero.
+    pub ratio: Option<f64>,
+}
+
+/// Every compared quantity of `a` and `b`: the phases (ms since VMM start; `vmm_start`, zero by
+/// definition, is left out), the steps, the end-to-end time and the memory overhead.
+pub fn ratios(a: &BenchReport, b: &BenchReport) -> Vec<Ratio> {
+    let memory = |r: &BenchReport| Series {
+        label: "VMM RSS overhead (KiB)".into(),
+        values: r.overhead_kib(),
+    };
+    let mut phases_a = a.phase_series();
+    let mut phases_b = b.phase_series();
+    // The end-to-end series closes both lists; keep it once, after the steps.
+    phases_a.pop();
+    phases_b.pop();
+    let list_a = phases_a
+        .into_iter()
+        .skip(1)
+        .chain(a.step_series())
+        .chain([memory(a)]);
+    let list_b = phases_b
+        .into_iter()
+        .skip(1)
+        .chain(b.step_series())
+        .chain([memory(b)]);
+    list_a
+        .zip(list_b)
+        .map(|(sa, sb)| {
+            let a_p50 = summarize(&sa.values).map(|s| s.p50);
+            let b_p50 = summarize(&sb.values).map(|s| s.p50);
+            let ratio = match (a_p50, b_p50) {
+                (Some(a), Some(b)) if a > 0.0 => Some(b / a),
+                _ => None,
+            };
+            Ratio {
+                label: sa.label,
+                a_p50,
+                b_p50,
+                ratio,
+            }
+        })
+        .collect()
+}
+
+/// The comparison as a table; `a_name` and `b_name` head the columns.
+pub fn render(a_name: &str, b_name: &str, ratios: &[Ratio]) -> String {
+    let cell = |v: Option<f64>, precision: usize| match v {
+        Some(v) => format!("{v:.precision$}"),
+        None => "-".to_owned(),
+    };
+    let mut out = format!("p50: A = {a_name}, B = {b_name}\n");
+    let _ = writeln!(out, "{:<36} {:>10} {:>10} {:>7}", "", "A", "B", "B/A");
+    for r in ratios {
+        let label: String = r.label.chars().take(36).collect();
+        let _ = writeln!(
+            out,
+            "{label:<36} {:>10} {:>10} {:>7}",
+            cell(r.a_p50, 1),
+            cell(r.b_p50, 1),
+            cell(r.ratio, 2)
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::report::tests::{report, run};
+    use super::*;
+
+    #[test]
+    fn b_twice_as_slow_as_a_gives_ratios_of_two() {
+        // Arrange
+        let a = report(vec![run(0, 10.0), run(1, 10.0), run(2, 30.0)]);
+        let b = report(vec![run(0, 20.0), run(1, 20.0), run(2, 60.0)]);
+
+        // Act
+        let ratios = ratios(&a, &b);
+
+        // Assert
+        let guest_init = ratios.iter().find(|r| r.label == "guest_init").unwrap();
+        assert_eq!(
+            (guest_init.a_p50, guest_init.b_p50, guest_init.ratio),
+            (Some(40.0), Some(80.0), Some(2.0))
+        );
+        let step = ratios
+            .iter()
+            .find(|r| r.label == "kernel_entry → guest_init")
+            .unwrap();
+        assert_eq!(step.ratio, Some(2.0));
+        let e2e: Vec<_> = ratios
+            .iter()
+            .filter(|r| r.label.starts_with("end to end"))
+            .collect();
+        assert_eq!(e2e.len(), 1);
+        assert_eq!(e2e[0].ratio, Some(2.0));
+        let memory = ratios.last().unwrap();
+        assert_eq!(memory.ratio, Some(1.0));
+        assert!(!ratios.iter().any(|r| r.label == "vmm_start"));
+    }
+
+    #[test]
+    fn a_side_without_successful_runs_has_no_ratio() {
+        let a = report(vec![run(0, 10.0)]);
+        let mut failed = run(0, 10.0);
+        failed.ok = false;
+        let b = report(vec![failed]);
+
+        let ratios = ratios(&a, &b);
+        let text = render("a.json", "b.json", &ratios);
+
+        assert!(ratios.iter().all(|r| r.ratio.is_none()));
+        assert!(text.contains("A = a.json, B = b.json"), "{text}");
+        assert!(text.lines().nth(2).unwrap().ends_with('-'), "{text}");
+    }
+}

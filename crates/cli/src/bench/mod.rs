@@ -1,0 +1,203 @@
+//! `bulkhead bench`: N cold starts of a command, each timed phase by phase (see
+//! `bulkhead_sandbox::phases`), reported as a percentile table, JSON ([`report`]) and an SVG
+//! plot ([`plot`]); `--compare A.json B.json` sets two results side by side ([`compare`]).
+//!
+//! Every run boots a fresh sandbox, runs the command, waits for its first output (or exit
+//! status) and its exit, samples the VMM's memory ([`rss`]) and destroys the sandbox.
+//! Failures are counted and listed, never fatal: `bench` exits 0 when at least one run
+//! succeeded, 1 when none did, and 125 when it could not run at all (bad arguments, a host
+//! whose KVM cannot boot the guest kernel).
+
+mod compare;
+mod plot;
+mod report;
+mod rss;
+mod runner;
+mod stats;
+mod table;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bulkhead_protocol::ExecRequest;
+use bulkhead_sandbox::{SandboxConfig, Storage, PHASE_NAMES};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use report::{BenchConfig, BenchReport, HostInfo, RunRecord, SCHEMA};
+use runner::{ColdStart, Mode, Plan};
+
+/// Arguments of `bulkhead bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Number of cold starts.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
+    /// Most sandboxes alive at once.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    concurrency: u32,
+    /// When runs start: `sequential` (each worker starts its next run when the last one is
+    /// destroyed), `burst` (waves of --concurrency runs released at once) or `staggered:MS`
+    /// (run i starts i×MS ms after the first, at most --concurrency at a time).
+    #[arg(
+        long,
+        default_value = "sequential",
+        value_name = "sequential|burst|staggered:MS"
+    )]
+    mode: Mode,
+    /// Root filesystem image: a name from `bulkhead image ls` or the path of an ext4 file.
+    #[arg(long, value_name = "NAME|PATH")]
+    image: Option<String>,
+    /// vCPUs per sandbox.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
+    vcpus: u8,
+    /// Guest memory per sandbox, MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    memory: u32,
+    /// Seconds each sandbox may take to boot.
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    boot_timeout: f64,
+    /// Write every run's phases as JSON (schema `bulkhead-bench/1`, see the README).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Draw the per-phase distributions as an SVG picture.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Compare two results written with --json (p50s and their ratio B/A); runs nothing.
+    #[arg(long, num_args = 2, value_names = ["A.json", "B.json"])]
+    compare: Option<Vec<PathBuf>>,
+    /// The command each sandbox runs [default: true].
+    #[arg(trailing_var_arg = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+/// Runs `bulkhead bench`; see the module docs for the exit status.
+pub fn bench(args: BenchArgs) -> ExitCode {
+    match run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("bulkhead: error: {e}");
+            ExitCode::from(crate::EXIT_BULKHEAD_ERROR)
+        }
+    }
+}
+
+fn run(args: BenchArgs) -> Result<ExitCode, String> {
+    if let Some(files) = &args.compare {
+        let [a, b] = files.as_slice() else {
+            return Err("--compare takes two files".into());
+        };
+        let ratios = compare::ratios(&BenchReport::load(a)?, &BenchReport::load(b)?);
+        print!(
+            "{}",
+            compare::render(&a.display().to_string(), &b.display().to_string(), &ratios)
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let command = if args.command.is_empty() {
+        vec!["true".to_owned()]
+    } else {
+        args.command.clone()
+    };
+    let storage = Storage {
+        root_image: args
+            .image
+            .as_deref()
+            .map(crate::run::resolve_image)
+            .transpose()?,
+        ..Storage::default()
+    };
+    let mut config = SandboxConfig {
+        vcpus: args.vcpus,
+        memory_mib: args.memory,
+        ready_timeout: Duration::try_from_secs_f64(args.boot_timeout)
+            .map_err(|_| "--boot-timeout must be a non-negative number of seconds")?,
+        ..SandboxConfig::default()
+    };
+    bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
+    crate::run::require_bootable_kvm("bench [ARGS]")?;
+    // The runs' runtime directories live in one of this process's own, swept by a later
+    // `bulkhead run` or `bench` if this one is killed.
+    let bench_dir = crate::rundir::create(&config.runtime_dir)?;
+    config.runtime_dir = bench_dir.path().to_owned();
+    let plan = Plan {
+        runs: args.runs as usize,
+        concurrency: args.concurrency as usize,
+        mode: args.mode,
+    };
+    let request = ExecRequest::new(command.clone());
+    let cold_start = ColdStart {
+        config: &config,
+        storage: &storage,
+        request: &request,
+    };
+    let progress = progress_bar(plan.runs as u64);
+    let runs = runner::schedule(&plan, |i| cold_start.run(i), |r| tick(&progress, r));
+    progress.finish_and_clear();
+    let report = BenchReport {
+        schema: SCHEMA.to_owned(),
+        created_unix_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        host: host_info(),
+        config: BenchConfig {
+            runs: plan.runs,
+            concurrency: plan.concurrency,
+            mode: plan.mode.to_string(),
+            image: args.image.clone(),
+            vcpus: args.vcpus,
+            memory_mib: args.memory,
+            command,
+        },
+        phases: PHASE_NAMES.iter().map(|p| (*p).to_owned()).collect(),
+        runs,
+    };
+    print!("{}", table::render(&report));
+    if let Some(path) = &args.json {
+        report.save(path)?;
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "bulkhead bench: {} runs of `{}` ({}), ms",
+            report.runs.len(),
+            report.config.command.join(" "),
+            report.config.mode
+        );
+        plot::write_svg(path, &title, &report.step_series())?;
+    }
+    Ok(if report.ok_runs().next().is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// A progress bar on a terminal; hidden otherwise (logs and pipes get only the report).
+fn progress_bar(len: u64) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} cold starts {msg}") {
+        bar.set_style(style);
+    }
+    bar
+}
+
+fn tick(bar: &ProgressBar, run: &RunRecord) {
+    if let Some(e) = &run.error {
+        bar.println(format!("run {}: {e}", run.index));
+    }
+    bar.inc(1);
+}
+
+fn host_info() -> HostInfo {
+    let kernel_release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    HostInfo {
+        kernel_release,
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    }
+}

@@ -1,0 +1,331 @@
+//! Running the cold starts: when each one starts ([`Mode`], [`schedule`]) and what one is
+//! ([`ColdStart`]).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Barrier, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use bulkhead_protocol::client::ExecEvent;
+use bulkhead_protocol::ExecRequest;
+use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage, Timings};
+
+use super::report::{MemorySample, PhasesMs, RunRecord};
+use super::rss;
+
+/// When runs start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Each of `concurrency` workers starts its next run as soon as its last one is destroyed
+    /// (with concurrency 1: one after another).
+    Sequential,
+    /// Waves of `concurrency` runs released at the same instant; a wave starts when the last
+    /// one is done.
+    Burst,
+    /// Run `i` starts `i × interval` after the bench started, or later when `concurrency` runs
+    /// are already in flight.
+    Staggered(Duration),
+}
+
+impl FromStr for Mode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Mode, String> {
+        match s {
+            "sequential" => Ok(Mode::Sequential),
+            "burst" => Ok(Mode::Burst),
+            _ => match s.strip_prefix("staggered:").map(str::parse::<u64>) {
+                Some(Ok(ms)) => Ok(Mode::Staggered(Duration::from_millis(ms))),
+                _ => Err(format!(
+                    "`{s}` is not a mode: sequential, burst or staggered:MS"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mode::Sequential => f.write_str("sequential"),
+            Mode::Burst => f.write_str("burst"),
+            Mode::Staggered(d) => write!(f, "staggered:{}", d.as_millis()),
+        }
+    }
+}
+
+/// How many runs, how many at once, and when.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    /// Runs in all.
+    pub runs: usize,
+    /// Most runs in flight at once (≥ 1).
+    pub concurrency: usize,
+    /// When runs start.
+    pub mode: Mode,
+}
+
+/// Runs `job(0)` … `job(runs - 1)` as `plan` says, calling `done` after each; returns the
+/// results in index order.
+pub fn schedule<T: Send>(
+    plan: &Plan,
+    job: impl Fn(usize) -> T + Sync,
+    done: impl Fn(&T) + Sync,
+) -> Vec<T> {
+    let slots: Vec<Mutex<Option<T>>> = (0..plan.runs).map(|_| Mutex::new(None)).collect();
+    let k = plan.concurrency.max(1);
+    let run = |i: usize| {
+        let result = job(i);
+        done(&result);
+        *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+    };
+    match plan.mode {
+        Mode::Sequential => {
+            let next = AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for _ in 0..k.min(plan.runs) {
+                    s.spawn(|| loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= plan.runs {
+                            break;
+                        }
+                        run(i);
+                    });
+                }
+            });
+        }
+        Mode::Burst => {
+            for wave in (0..plan.runs).collect::<Vec<_>>().chunks(k) {
+                let barrier = Barrier::new(wave.len());
+                std::thread::scope(|s| {
+                    for &i in wave {
+                        let (barrier, run) = (&barrier, &run);
+                        s.spawn(move || {
+                            barrier.wait();
+                            run(i);
+                        });
+                    }
+                });
+            }
+        }
+        Mode::Staggered(interval) => {
+            let in_flight = (Mutex::new(0usize), Condvar::new());
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                for i in 0..plan.runs {
+                    // The schedule itself: run i is due at start + i × interval.
+                    let due = start + interval.saturating_mul(i as u32);
+                    std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                    let (count, freed) = &in_flight;
+                    let mut n = count.lock().unwrap_or_else(|p| p.into_inner());
+                    while *n >= k {
+                        n = freed.wait(n).unwrap_or_else(|p| p.into_inner());
+                    }
+                    *n += 1;
+                    drop(n);
+                    let (in_flight, run) = (&in_flight, &run);
+                    s.spawn(move || {
+                        run(i);
+                        *in_flight.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+                        in_flight.1.notify_one();
+                    });
+                }
+            });
+        }
+    }
+    slots
+        .into_iter()
+        .filter_map(|slot| slot.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .collect()
+}
+
+/// One cold start: boot a sandbox, run the command, wait for its first output (or exit
+/// status) and its exit, sample the VMM's memory, destroy the sandbox.
+#[derive(Debug)]
+pub struct ColdStart<'a> {
+    /// The sandbox to boot.
+    pub config: &'a SandboxConfig,
+    /// Its disks.
+    pub storage: &'a Storage,
+    /// The command.
+    pub request: &'a ExecRequest,
+}
+
+impl ColdStart<'_> {
+    /// Runs cold start number `index`. Never fails: a failure is a record with `ok: false`.
+    pub fn run(&self, index: usize) -> RunRecord {
+        let mut record = RunRecord {
+            index,
+            ok: false,
+            error: None,
+            exit_code: None,
+            create_to_vmm_start_ms: None,
+            create_to_first_output_ms: None,
+            phases_ms: PhasesMs::default(),
+            memory: None,
+        };
+        let sandbox = match Sandbox::start_with(self.config, self.storage) {
+            Ok(sandbox) => sandbox,
+            Err(e) => {
+                record.error = Some(first_line(&e.to_string()));
+                return record;
+            }
+        };
+        let exited = run_command(&sandbox, self.request);
+        let memory = sample_memory(&sandbox);
+        let destroyed = sandbox.destroy_timed();
+        if let Ok(timings) = &destroyed {
+            fill_timings(&mut record, timings);
+        }
+        record.memory = memory.as_ref().ok().copied();
+        record.exit_code = exited.as_ref().ok().copied();
+        record.error = match (exited, destroyed, memory) {
+            (Err(e), _, _) => Some(e),
+            (Ok(code), _, _) if code != 0 => Some(format!("the command exited {code}")),
+            (_, Err(e), _) => Some(format!("destroying the sandbox: {e}")),
+            (_, _, Err(e)) => Some(format!("memory sample: {e}")),
+            _ => record.phases_ms.check_complete_and_monotonic().err(),
+        };
+        record.ok = record.error.is_none();
+        record
+    }
+}
+
+/// Runs `request`, marking the sandbox's first output; returns the exit code (128+N for
+/// signal N).
+fn run_command(sandbox: &Sandbox, request: &ExecRequest) -> Result<i32, String> {
+    let (_writer, mut reader) = sandbox
+        .exec(request)
+        .map_err(|e| format!("exec: {e}"))?
+        .split();
+    loop {
+        let event = reader.next_event().map_err(|e| format!("exec: {e}"))?;
+        sandbox.mark_first_output();
+        match event {
+            Some(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)) => {}
+            Some(ExecEvent::Exit(status)) => {
+                return Ok(match (status.code, status.signal) {
+                    (Some(code), _) => code,
+                    (None, Some(sig)) => 128 + sig,
+                    (None, None) => -1,
+                })
+            }
+            None => return Err("the agent closed the connection without an exit status".into()),
+        }
+    }
+}
+
+fn sample_memory(sandbox: &Sandbox) -> Result<MemorySample, String> {
+    match (sandbox.vmm_pid(), sandbox.runtime_path()) {
+        (Some(pid), Some(dir)) => rss::sample(pid, dir),
+        _ => Err("the VMM has exited".into()),
+    }
+}
+
+fn fill_timings(record: &mut RunRecord, timings: &Timings) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    record.create_to_vmm_start_ms = timings.vmm_start.map(ms);
+    record.create_to_first_output_ms = timings.create_to_first_output().map(ms);
+    if let Some(phases) = timings.phases {
+        let [a, b, c, d, e, f, g, h] = phases.named().map(|(_, at)| at.map(ms));
+        record.phases_ms = PhasesMs {
+            vmm_start: a,
+            vm_created: b,
+            memory_ready: c,
+            kernel_entry: d,
+            guest_init: e,
+            agent_ready: f,
+            first_output: g,
+            vm_destroyed: h,
+        };
+    } else {
+        record.error = Some("the VMM's timings report was unreadable".into());
+    }
+}
+
+/// The first line of a (possibly multi-line, log-quoting) error.
+fn first_line(message: &str) -> String {
+    message.lines().next().unwrap_or_default().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_print_back() {
+        for text in ["sequential", "burst", "staggered:250"] {
+            assert_eq!(text.parse::<Mode>().unwrap().to_string(), text);
+        }
+        assert!("staggered:x".parse::<Mode>().is_err());
+        assert!("fast".parse::<Mode>().unwrap_err().contains("staggered:MS"));
+    }
+
+    /// Runs `plan` with jobs that count how many are in flight and each wait (at most 5 s)
+    /// until `gather` jobs have arrived; returns (results, most in flight at once).
+    fn in_flight_peak(plan: Plan, gather: usize) -> (Vec<usize>, usize) {
+        let (now, peak) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let (arrived, cond) = (Mutex::new(0usize), Condvar::new());
+        let results = schedule(
+            &plan,
+            |i| {
+                let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(n, Ordering::SeqCst);
+                let mut seen = arrived.lock().unwrap();
+                *seen += 1;
+                cond.notify_all();
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while *seen < gather && Instant::now() < deadline {
+                    seen = cond
+                        .wait_timeout(seen, Duration::from_millis(50))
+                        .unwrap()
+                        .0;
+                }
+                drop(seen);
+                now.fetch_sub(1, Ordering::SeqCst);
+                i
+            },
+            |_| {},
+        );
+        (results, peak.load(Ordering::SeqCst))
+    }
+
+    #[test]
+    fn every_mode_runs_each_index_once_in_order_and_never_more_than_concurrency() {
+        for mode in [
+            Mode::Sequential,
+            Mode::Burst,
+            Mode::Staggered(Duration::from_millis(1)),
+        ] {
+            let plan = Plan {
+                runs: 7,
+                concurrency: 3,
+                mode,
+            };
+
+            let (results, peak) = in_flight_peak(plan, 0);
+
+            assert_eq!(results, (0..7).collect::<Vec<_>>(), "{mode}");
+            assert!(peak <= 3, "{mode}: {peak} in flight");
+        }
+    }
+
+    #[test]
+    fn a_burst_wave_is_in_flight_all_at_once() {
+        let plan = Plan {
+            runs: 4,
+            concurrency: 4,
+            mode: Mode::Burst,
+        };
+
+        let (_, peak) = in_flight_peak(plan, 4);
+
+        assert_eq!(peak, 4);
+    }
+
+    #[test]
+    fn the_first_line_of_an_error_is_kept() {
+        assert_eq!(first_line("boom\nlog line"), "boom");
+    }
+}

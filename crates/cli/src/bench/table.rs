@@ -1,0 +1,124 @@
+//! The bench's text report: percentiles per phase, per step and end to end, the VMM's memory
+//! overhead, and the failures.
+
+use std::fmt::Write;
+
+use super::report::{BenchReport, Series};
+use super::stats::summarize;
+
+/// Width of the label column.
+const LABEL: usize = 36;
+
+/// The whole text report of `report`.
+pub fn render(report: &BenchReport) -> String {
+    let c = &report.config;
+    let ok = report.ok_runs().count();
+    let failed = report.runs.len() - ok;
+    let mut out = format!(
+        "bulkhead bench: {} runs of `{}` ({}, concurrency {}), {} vCPU, {} MiB{}: {ok} ok, {failed} failed\n",
+        report.runs.len(),
+        c.command.join(" "),
+        c.mode,
+        c.concurrency,
+        c.vcpus,
+        c.memory_mib,
+        c.image.as_deref().map(|i| format!(", image {i}")).unwrap_or_default(),
+    );
+    out.push('\n');
+    out.push_str(&table("phase (ms since VMM start)", &report.phase_series()));
+    out.push('\n');
+    out.push_str(&table("step (ms)", &report.step_series()));
+    out.push('\n');
+    let overhead = Series {
+        label: "VMM RSS overhead (KiB)".into(),
+        values: report.overhead_kib(),
+    };
+    out.push_str(&table("memory", std::slice::from_ref(&overhead)));
+    out.push_str("  (VmRSS of bulkhead-vmm minus its resident guest RAM, after the command)\n");
+    if failed > 0 {
+        let _ = writeln!(out, "\nfailures ({failed}):");
+        for run in report.failures() {
+            let _ = writeln!(
+                out,
+                "  run {}: {}",
+                run.index,
+                run.error.as_deref().unwrap_or("unknown")
+            );
+        }
+    }
+    out
+}
+
+/// A titled table with one row per series: n, p50, p90, p99, min, max.
+pub fn table(title: &str, series: &[Series]) -> String {
+    let mut out = format!(
+        "{title:<LABEL$} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9}\n",
+        "n", "p50", "p90", "p99", "min", "max"
+    );
+    for s in series {
+        let label = truncate(&s.label);
+        match summarize(&s.values) {
+            Some(v) => {
+                let _ = writeln!(
+                    out,
+                    "{label:<LABEL$} {:>4} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+                    v.n, v.p50, v.p90, v.p99, v.min, v.max
+                );
+            }
+            None => {
+                let _ = writeln!(out, "{label:<LABEL$} {:>4} {:>9}", 0, "-");
+            }
+        }
+    }
+    out
+}
+
+/// `label` cut to the label column's width (by characters: labels contain arrows).
+fn truncate(label: &str) -> String {
+    label.chars().take(LABEL).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::report::tests::{report, run};
+    use super::*;
+
+    #[test]
+    fn the_report_has_every_phase_the_end_to_end_time_memory_and_failures() {
+        // Arrange
+        let mut failed = run(2, 1.0);
+        failed.ok = false;
+        failed.error = Some("the guest agent was not ready".into());
+        let r = report(vec![run(0, 10.0), run(1, 20.0), failed]);
+
+        // Act
+        let text = render(&r);
+
+        // Assert
+        for phase in bulkhead_sandbox::PHASE_NAMES {
+            assert!(text.contains(phase), "{phase} missing:\n{text}");
+        }
+        assert!(text.contains("end to end: create → first_output"), "{text}");
+        assert!(text.contains("2 ok, 1 failed"), "{text}");
+        assert!(
+            text.contains("run 2: the guest agent was not ready"),
+            "{text}"
+        );
+        let row = text.lines().find(|l| l.starts_with("agent_ready")).unwrap();
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cells[1..], ["2", "50.0", "100.0", "100.0", "50.0", "100.0"]);
+        assert!(text.contains("VMM RSS overhead (KiB)"), "{text}");
+    }
+
+    #[test]
+    fn a_series_without_values_shows_a_dash() {
+        let empty = Series {
+            label: "x".into(),
+            values: vec![],
+        };
+
+        let text = table("t", &[empty]);
+
+        assert!(text.lines().nth(1).unwrap().ends_with('-'), "{text}");
+    }
+}

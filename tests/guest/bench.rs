@@ -1,0 +1,75 @@
+//! `bulkhead bench` end to end, through the CLI binary: every run's phases reach the JSON in
+//! timeline order, and the plot is drawn. No timing is asserted (a slow machine is no failure).
+
+use std::process::Command;
+
+use bulkhead_tests::{artifacts, describe, guest_test, scratch_dir};
+
+/// The phases every run must report, in timeline order (the bench JSON's `phases_ms` keys).
+const PHASES: [&str; 8] = [
+    "vmm_start",
+    "vm_created",
+    "memory_ready",
+    "kernel_entry",
+    "guest_init",
+    "agent_ready",
+    "first_output",
+    "vm_destroyed",
+];
+
+guest_test!(
+    fn three_cold_starts_report_every_phase_in_order_with_json_and_plot() {
+        // Arrange
+        let a = artifacts();
+        let dir = scratch_dir();
+        let (json, plot) = (dir.path().join("bench.json"), dir.path().join("bench.svg"));
+
+        // Act
+        let out = Command::new(&a.cli)
+            .args(["bench", "--runs", "3", "--memory", "128", "--json"])
+            .arg(&json)
+            .arg("--plot")
+            .arg(&plot)
+            .env("BULKHEAD_KERNEL", &a.vmlinux)
+            .env("BULKHEAD_INITRD", &a.agent_initrd)
+            .env("BULKHEAD_VMM", &a.vmm)
+            .output()
+            .expect("run bulkhead bench");
+
+        // Assert
+        assert!(out.status.success(), "{}", describe(&out));
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            table.contains("3 ok, 0 failed") && table.contains("end to end"),
+            "{}",
+            describe(&out)
+        );
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("bench JSON")).expect("JSON");
+        assert_eq!(report["schema"], "bulkhead-bench/1");
+        let runs = report["runs"].as_array().expect("runs");
+        assert_eq!(runs.len(), 3);
+        for run in runs {
+            assert_eq!(run["ok"], true, "{run}");
+            let mut previous = 0.0;
+            for phase in PHASES {
+                let at = run["phases_ms"][phase]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("{phase} missing: {run}"));
+                assert!(
+                    at >= previous,
+                    "{phase} at {at} ms precedes {previous}: {run}"
+                );
+                previous = at;
+            }
+            assert!(run["create_to_first_output_ms"].as_f64().is_some(), "{run}");
+            assert!(run["memory"]["overhead_kib"].as_u64().is_some(), "{run}");
+        }
+        let svg = std::fs::read_to_string(&plot).expect("SVG plot");
+        assert!(svg.trim_end().ends_with("</svg>"));
+        assert!(
+            svg.contains("kernel_entry → guest_init"),
+            "phase names missing"
+        );
+    }
+);
