@@ -256,7 +256,7 @@ fn host_dir(path: &Path, read_only: bool) -> Result<PathBuf, MountError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn mount(host: &Path, guest: &str, read_only: bool) -> Mount {
@@ -268,7 +268,7 @@ mod tests {
     }
 
     /// A directory the tests may share read-write whoever runs them (not root-owned as root).
-    fn shareable_dir() -> tempfile::TempDir {
+    pub(crate) fn shareable_dir() -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
         // SAFETY: geteuid only reads credentials.
         if unsafe { libc::geteuid() } == 0 {

@@ -314,15 +314,7 @@ fn write_json(path: &Path, value: &impl Serialize) -> Result<(), WorkspaceError>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn shareable_dir() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        // SAFETY: geteuid only reads credentials.
-        if unsafe { libc::geteuid() } == 0 {
-            std::os::unix::fs::chown(dir.path(), Some(1000), Some(1000)).unwrap();
-        }
-        dir
-    }
+    use crate::mounts::tests::shareable_dir;
 
     #[test]
     fn workspace_flags_parse_a_directory_and_a_mode() {
