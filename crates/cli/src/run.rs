@@ -14,6 +14,9 @@ use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
 use crate::rundir;
+
+/// How long a failed run waits for the VMM to end before reporting (1 s).
+const VM_END_WAIT: Duration = Duration::from_secs(1);
 use crate::signals::SignalRouter;
 
 /// Exit status reported when `--timeout` expired (as coreutils `timeout` does).
@@ -113,8 +116,9 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let run_dir = rundir::create(&config.runtime_dir)?;
     config.runtime_dir = run_dir.path().to_owned();
     let router = SignalRouter::install(run_dir.path().to_owned())?;
-    let sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
-    let outcome = run_command(&sandbox, &request, &router);
+    let mut sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
+    let outcome =
+        run_command(&sandbox, &request, &router).map_err(|e| explain_vm_end(&mut sandbox, e));
     let destroyed = sandbox.destroy_timed();
     let status = outcome?;
     match destroyed {
@@ -123,6 +127,19 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
         Err(e) => eprintln!("bulkhead: warning: {e}"),
     }
     Ok(exit_code(&status))
+}
+
+/// Adds to a failed run's message how the VM ended, when it ended by itself (waiting up to
+/// [`VM_END_WAIT`] for the VMM): a crashed guest explains a connection that closed early.
+fn explain_vm_end(sandbox: &mut Sandbox, message: String) -> String {
+    match sandbox.wait_exit(VM_END_WAIT) {
+        Ok(Some(status)) if status.code() == Some(3) => {
+            format!("{message}: the guest crashed (a kernel panic or triple fault)")
+        }
+        Ok(Some(status)) if status.success() => format!("{message}: the guest shut itself down"),
+        Ok(Some(status)) => format!("{message}: the VMM ended ({status})"),
+        _ => message,
+    }
 }
 
 /// `--timings`: one line per phase on stderr, ms since the VMM process started.
