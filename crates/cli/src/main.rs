@@ -50,6 +50,30 @@ enum Command {
     Image(image_cmds::ImageArgs),
 }
 
+impl Command {
+    /// Whether the verb only prints a listing or a log, and so should end silently, like any
+    /// Unix tool, when its reader goes away (`bulkhead ls | head -1`). Verbs that stream a
+    /// command's output or files handle a closed stdout themselves.
+    fn dies_of_sigpipe(&self) -> bool {
+        matches!(
+            self,
+            Command::Create(_)
+                | Command::Ls(_)
+                | Command::Logs(_)
+                | Command::Diff(_)
+                | Command::Image(_)
+        )
+    }
+}
+
+/// Gives SIGPIPE its default action back (the Rust runtime ignores it, which turns every
+/// `println!` to a closed pipe into a panic).
+fn restore_default_sigpipe() {
+    // SAFETY: signal(2) with SIG_DFL installs no handler code; called once, before any thread
+    // that writes to stdout is started.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 /// Exit status when bulkhead itself fails (as `docker run` does).
 pub const EXIT_BULKHEAD_ERROR: u8 = 125;
 
@@ -74,6 +98,9 @@ fn main() -> ExitCode {
             };
         }
     };
+    if cli.command.dies_of_sigpipe() {
+        restore_default_sigpipe();
+    }
     match cli.command {
         Command::Run(args) => match run::run(args) {
             Ok(code) => ExitCode::from(code),

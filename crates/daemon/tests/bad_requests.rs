@@ -33,6 +33,7 @@ fn invalid_create_requests_are_refused_with_4xx() {
     let client = daemon.client();
     let cases = [
         ("{not json", 400, "invalid_json", "invalid JSON"),
+        ("[2,64]", 400, "invalid_json", "expected a JSON object"),
         (
             r#"{"vcpus":1,"colour":"red"}"#,
             400,

@@ -36,6 +36,9 @@ use serde::{Deserialize, Serialize};
 /// The schema name of this format.
 pub const SCHEMA: &str = "bulkhead-bench/1";
 
+/// Largest bench result file `--compare` reads (64 MiB: a million runs' phases fit).
+pub const MAX_REPORT_BYTES: u64 = 64 << 20;
+
 /// A whole bench result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchReport {
@@ -270,14 +273,23 @@ impl BenchReport {
         std::fs::write(path, json).map_err(|e| format!("cannot write {}: {e}", path.display()))
     }
 
-    /// Reads a report written by [`BenchReport::save`].
+    /// Reads a report written by [`BenchReport::save`] (at most [`MAX_REPORT_BYTES`]).
     ///
     /// # Errors
     /// A one-line message naming the file when it cannot be read, is not JSON of this shape,
     /// or has another schema.
     pub fn load(path: &Path) -> Result<BenchReport, String> {
-        let text =
-            std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        use std::io::Read;
+        let mut text = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_REPORT_BYTES + 1).read_to_end(&mut text))
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        if text.len() as u64 > MAX_REPORT_BYTES {
+            return Err(format!(
+                "{} is larger than {MAX_REPORT_BYTES} bytes: not a bench result",
+                path.display()
+            ));
+        }
         let report: BenchReport = serde_json::from_slice(&text)
             .map_err(|e| format!("{} is not a bench result: {e}", path.display()))?;
         if report.schema != SCHEMA {

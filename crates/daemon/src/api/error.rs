@@ -102,8 +102,9 @@ impl IntoResponse for ApiError {
 }
 
 /// A JSON request body: read whole (within the body limit: 413 beyond it), then parsed
-/// strictly (400 with serde's message for malformed JSON, wrong types and unknown fields). The
-/// content type is not checked, so `curl -d` works.
+/// strictly (400 with serde's message for malformed JSON, wrong types and unknown fields; every
+/// request body is a JSON object, so an array — which serde would map to fields by position —
+/// is refused too). The content type is not checked, so `curl -d` works.
 #[derive(Debug)]
 pub struct ApiJson<T>(pub T);
 
@@ -118,6 +119,13 @@ where
         let bytes = Bytes::from_request(req, state)
             .await
             .map_err(body_rejection)?;
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                "invalid JSON body: expected a JSON object".to_owned(),
+            ));
+        }
         serde_json::from_slice(&bytes).map(ApiJson).map_err(|e| {
             ApiError::new(
                 StatusCode::BAD_REQUEST,

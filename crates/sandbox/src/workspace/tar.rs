@@ -9,7 +9,10 @@
 //!   directories), each followed by a NUL byte;
 //!
 //! followed by every added or modified file (with its permission bits), symbolic link, and new
-//! empty directory, at its path relative to the workspace root. To apply it to a copy of the
+//! empty directory, at its path relative to the workspace root. Guest changes under
+//! `.bulkhead-export` itself are never archived (nor listed in `deleted`), so a guest cannot
+//! forge bulkhead's members; they still appear in the manifest's changes. Delete first, then
+//! extract (a path deleted and re-added as another kind is in both). To apply it to a copy of the
 //! directory:
 //!
 //! ```sh
@@ -47,9 +50,12 @@ pub(crate) fn write(out: &mut dyn Write, manifest: &[u8], received: &Received) -
     let mut h = header(tar::EntryType::Regular, 0o644, manifest.len() as u64);
     builder.append_data(&mut h, format!("{EXPORT_DIR}/manifest.json"), manifest)?;
     let mut deleted = Vec::new();
-    for entry in received
+    let archived = received
         .entries
         .iter()
+        .filter(|e| !is_reserved(&e.record.path));
+    for entry in archived
+        .clone()
         .filter(|e| e.record.status == ChangeStatus::Deleted)
     {
         deleted.extend_from_slice(entry.record.path.as_bytes());
@@ -57,7 +63,7 @@ pub(crate) fn write(out: &mut dyn Write, manifest: &[u8], received: &Received) -
     }
     let mut h = header(tar::EntryType::Regular, 0o644, deleted.len() as u64);
     builder.append_data(&mut h, format!("{EXPORT_DIR}/deleted"), &deleted[..])?;
-    for entry in &received.entries {
+    for entry in archived {
         let record = &entry.record;
         if record.status == ChangeStatus::Deleted {
             continue;
@@ -84,4 +90,23 @@ pub(crate) fn write(out: &mut dyn Write, manifest: &[u8], received: &Received) -
         }
     }
     builder.into_inner()?.flush()
+}
+
+/// Whether `path` (relative, `/`-separated) is [`EXPORT_DIR`] or below it.
+fn is_reserved(path: &str) -> bool {
+    path.split('/').next() == Some(EXPORT_DIR)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_export_dir_and_what_is_below_it_are_reserved() {
+        assert!(is_reserved(".bulkhead-export"));
+        assert!(is_reserved(".bulkhead-export/deleted"));
+        assert!(is_reserved(".bulkhead-export/x/manifest.json"));
+        assert!(!is_reserved("src/.bulkhead-export/deleted"));
+        assert!(!is_reserved(".bulkhead-exported"));
+    }
 }
