@@ -116,6 +116,9 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         ..SandboxConfig::default()
     };
     bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
+    for path in args.json.iter().chain(&args.plot) {
+        check_writable(path)?;
+    }
     crate::run::require_bootable_kvm("bench [ARGS]")?;
     // The runs' runtime directories live in one of this process's own, swept by a later
     // `bulkhead run` or `bench` if this one is killed.
@@ -154,18 +157,18 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         runs,
     };
     print!("{}", table::render(&report));
-    if let Some(path) = &args.json {
-        report.save(path)?;
-    }
-    if let Some(path) = &args.plot {
+    let json_saved = args.json.as_ref().map(|path| report.save(path));
+    let plot_saved = args.plot.as_ref().map(|path| {
         let title = format!(
             "bulkhead bench: {} runs of `{}` ({}), ms",
             report.runs.len(),
             report.config.command.join(" "),
             report.config.mode
         );
-        plot::write_svg(path, &title, &report.step_series())?;
-    }
+        plot::write_svg(path, &title, &report.step_series())
+    });
+    json_saved.transpose()?;
+    plot_saved.transpose()?;
     Ok(if report.ok_runs().next().is_some() {
         ExitCode::SUCCESS
     } else {
@@ -200,4 +203,12 @@ fn host_info() -> HostInfo {
         kernel_release,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
     }
+}
+
+/// Fails early, before any VM boots, when an output file cannot be created (it is created
+/// empty now and written after the runs).
+fn check_writable(path: &std::path::Path) -> Result<(), String> {
+    std::fs::File::create(path)
+        .map(drop)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
