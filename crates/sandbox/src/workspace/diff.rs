@@ -259,16 +259,19 @@ fn write_patch(out: &mut dyn Write, diff: &WorkspaceDiff, received: &Received) -
         )?;
         out.write_all(review.as_bytes())?;
     }
+    // git apply refuses paths inside .git/, and git has no empty directories.
     let in_git: Vec<&Change> = diff
         .changes
         .iter()
-        .filter(|c| in_git_dir(&c.path))
+        .filter(|c| {
+            in_git_dir(&c.path) || (c.kind == EntryKind::Dir && c.status == ChangeStatus::Added)
+        })
         .collect();
     if !in_git.is_empty() {
         writeln!(
             out,
-            "\n  NOT IN THIS PATCH: {} change(s) inside .git/ (git apply refuses such paths; \
-             export --tar has them):",
+            "\n  NOT IN THIS PATCH: {} change(s) inside .git/ or new empty directories (git apply \
+             refuses the first and has no such thing as the second; export --tar has them):",
             in_git.len()
         )?;
         for change in in_git.iter().take(50) {
