@@ -64,8 +64,19 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
         body();
         return None;
     }
-    let out = run_in_test_host(&inner_script(args))
-        .unwrap_or_else(|e| panic!("running {args:?} in the test host failed: {e}"));
+    let run = || {
+        run_in_test_host(&inner_script(args))
+            .unwrap_or_else(|e| panic!("running {args:?} in the test host failed: {e}"))
+    };
+    let mut out = run();
+    if out.status != 0 && nested_guest_crashed(&out) {
+        eprintln!(
+            "RETRY: a nested guest crashed under {args:?} (known test-host problem, see README \
+             \"Known problems\"); running it once more:\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        out = run();
+    }
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status == 0,
@@ -74,6 +85,16 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
         String::from_utf8_lossy(&out.stderr)
     );
     Some(stdout)
+}
+
+/// Whether a failed delegated test reports a guest crash (the VMM's "the guest crashed" or its
+/// triple-fault warning): in the nested test host, guest kernels sometimes triple-fault (README,
+/// "Known problems"), so such a test is run once more; one that fails twice still fails.
+fn nested_guest_crashed(out: &CommandOutput) -> bool {
+    [&out.stdout, &out.stderr].iter().any(|bytes| {
+        let text = String::from_utf8_lossy(bytes);
+        text.contains("the guest crashed") || text.contains("KVM_EXIT_SHUTDOWN")
+    })
 }
 
 /// Declares a guest-level test: `guest_test!(fn name() { ... })` runs the body through
