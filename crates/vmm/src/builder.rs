@@ -147,6 +147,7 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
     let guest_memory = memory::create_guest_memory(config.memory_mib, arch::arch_memory_regions)?;
     let vm = vm::Vm::new(&kvm, &guest_memory)?;
     timeline.vm_created = Some(Instant::now());
+    let step = Instant::now();
 
     let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
     let mut event_manager = EventLoop::new().map_err(|e| Error::EventLoop(e.to_string()))?;
@@ -167,9 +168,16 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
         virtio.attach(Fs::new(fs_config(share))?)?;
     }
     let VirtioContext { mmio, devices, .. } = virtio;
-
+    tracing::debug!(ms = ms_since(step), "virtio devices created");
+    let step = Instant::now();
     let entry = load_payload(config, &guest_memory, devices.cmdline_params())?;
+    tracing::debug!(
+        ms = ms_since(step),
+        "kernel, initramfs and boot structures loaded"
+    );
+    let step = Instant::now();
     let vcpu_fds = create_vcpus(&kvm, &vm, &guest_memory, config.vcpus, entry)?;
+    tracing::debug!(ms = ms_since(step), vcpus = config.vcpus, "vCPUs created");
     timeline.payload_loaded = Some(Instant::now());
 
     let legacy = legacy_devices(config, &vm)?;
@@ -190,6 +198,11 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
         timeline,
         event_manager,
     })
+}
+
+/// Milliseconds since `start`, for the build steps' debug log.
+fn ms_since(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1e3
 }
 
 /// Fails early, before touching KVM, when an input file cannot be opened for reading.
@@ -215,11 +228,15 @@ fn load_payload(
     mem: &GuestMemoryMmap,
     device_params: &[String],
 ) -> Result<GuestAddress, Error> {
+    let step = Instant::now();
     let kernel = boot::load_kernel(mem, &config.kernel)?;
+    tracing::debug!(ms = ms_since(step), "kernel loaded");
+    let step = Instant::now();
     let initrd = match &config.initrd {
         Some(path) => Some(boot::load_initrd(mem, path, kernel.end)?),
         None => None,
     };
+    tracing::debug!(ms = ms_since(step), "initramfs loaded");
     let base = config
         .cmdline
         .as_deref()

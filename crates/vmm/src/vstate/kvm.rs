@@ -152,8 +152,13 @@ impl KvmContext {
     }
 }
 
-fn required_caps() -> [Cap; 4] {
-    [Cap::UserMemory, Cap::Irqchip, Cap::Irqfd, Cap::Ioeventfd]
+/// Capabilities bulkhead cannot run without. On x86_64 that includes the in-kernel LAPIC's
+/// TSC-deadline mode, which the vCPUs' CPUID advertises (see `arch::x86_64::cpuid`).
+fn required_caps() -> Vec<Cap> {
+    let mut caps = vec![Cap::UserMemory, Cap::Irqchip, Cap::Irqfd, Cap::Ioeventfd];
+    #[cfg(target_arch = "x86_64")]
+    caps.push(Cap::TscDeadlineTimer);
+    caps
 }
 
 fn open_hint(err: &io::Error) -> &'static str {

@@ -6,7 +6,8 @@
 //! Leaves touched (Intel SDM vol. 2A "CPUID"; AMD APM vol. 3, appendix E):
 //!
 //! - 0x1: EBX\[31:24\] initial APIC ID, EBX\[23:16\] addressable logical processor IDs,
-//!   EDX\[28\] HTT (more than one logical processor), ECX\[31\] hypervisor present.
+//!   EDX\[28\] HTT (more than one logical processor), ECX\[31\] hypervisor present,
+//!   ECX\[24\] TSC-deadline timer (emulated by KVM's LAPIC).
 //! - 0x4 (deterministic cache parameters): EAX\[31:26\] cores per package - 1,
 //!   EAX\[25:14\] logical processors sharing the cache - 1 (L1/L2 private, L3 shared).
 //! - 0xB and 0x1F (extended topology): rebuilt as an SMT level of 1 thread and a core level
@@ -56,6 +57,11 @@ pub const LEAF_AMD_EXT_APIC_ID: u32 = 0x8000_001e;
 
 /// CPUID.1:ECX bit 31: running under a hypervisor.
 pub const ECX_HYPERVISOR: u32 = 1 << 31;
+/// CPUID.1:ECX bit 24: the local APIC timer has TSC-deadline mode. KVM emulates it in its
+/// in-kernel LAPIC (KVM_CAP_TSC_DEADLINE_TIMER) but leaves the bit clear in
+/// `KVM_GET_SUPPORTED_CPUID`; with it set Linux skips calibrating the APIC timer against the
+/// PIT, which takes 100 ms of every boot (`calibrate_APIC_clock`, `LAPIC_CAL_LOOPS`).
+pub const ECX_TSC_DEADLINE: u32 = 1 << 24;
 /// CPUID.1:EDX bit 28: the logical processor count field in EBX\[23:16\] is valid.
 pub const EDX_HTT: u32 = 1 << 28;
 /// CPUID.8000_0001:ECX bit 1 (AMD CmpLegacy): the HTT count is a count of cores.
@@ -166,11 +172,11 @@ fn fix_entry(entry: &mut kvm_cpuid_entry2, topo: VcpuTopology, amd: bool) {
     }
 }
 
-/// Leaf 0x1: APIC ID, logical processor count, HTT and hypervisor bits.
+/// Leaf 0x1: APIC ID, logical processor count, HTT, hypervisor and TSC-deadline bits.
 pub fn fix_features_leaf(entry: &mut kvm_cpuid_entry2, topo: VcpuTopology) {
     set_bits(&mut entry.ebx, 24, 8, u32::from(topo.vcpu_id));
     set_bits(&mut entry.ebx, 16, 8, topo.addressable_ids());
-    entry.ecx |= ECX_HYPERVISOR;
+    entry.ecx |= ECX_HYPERVISOR | ECX_TSC_DEADLINE;
     if topo.nr_vcpus > 1 {
         entry.edx |= EDX_HTT;
     } else {
@@ -277,7 +283,7 @@ mod tests {
             leaf(
                 1,
                 0,
-                [0x906ea, 0x0710_0800 | (9 << 24), 0x7ffa_fbff, 0xbfeb_fbff],
+                [0x906ea, 0x0710_0800 | (9 << 24), 0x7efa_fbff, 0xbfeb_fbff],
             ),
             leaf(4, 0, [0x1c00_4121, 0, 0, 0]), // L1d, 8 sharing.
             leaf(4, 3, [0x1c03_c163, 0, 0, 0]), // L3, 16 sharing.
@@ -303,7 +309,7 @@ mod tests {
     }
 
     #[test]
-    fn leaf_1_carries_apic_id_count_htt_and_hypervisor_bit() {
+    fn leaf_1_carries_apic_id_count_htt_hypervisor_and_tsc_deadline_bits() {
         let topo = VcpuTopology::new(2, 3).unwrap();
 
         let out = vcpu_cpuid_entries(&host(b"GenuineIntel"), topo);
@@ -313,6 +319,7 @@ mod tests {
         assert_eq!((l1.ebx >> 16) & 0xff, 4);
         assert_eq!(l1.ebx & 0xffff, 0x0800, "CLFLUSH size and brand index kept");
         assert_ne!(l1.ecx & ECX_HYPERVISOR, 0);
+        assert_ne!(l1.ecx & ECX_TSC_DEADLINE, 0, "the host table had it clear");
         assert_ne!(l1.edx & EDX_HTT, 0);
     }
 

@@ -127,6 +127,7 @@ fn configure_vcpu_sets_boot_state_in_kvm() {
     let cpuid = vcpu.get_cpuid2(KVM_MAX_CPUID_ENTRIES).unwrap();
     let leaf1 = cpuid.as_slice().iter().find(|e| e.function == 1).unwrap();
     assert_ne!(leaf1.ecx & cpuid::ECX_HYPERVISOR, 0);
+    assert_ne!(leaf1.ecx & cpuid::ECX_TSC_DEADLINE, 0);
     assert_eq!(sregs.apic_base & !0xfff, LAPIC_START);
 }
 
