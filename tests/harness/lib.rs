@@ -78,6 +78,7 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
         out = run();
     }
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    report_guest_boots(args, &stdout);
     assert!(
         out.status == 0,
         "{args:?} failed in the test host (status {}):\n--- stdout\n{stdout}\n--- stderr\n{}",
@@ -96,6 +97,37 @@ fn nested_guest_crashed(out: &CommandOutput) -> bool {
         text.contains("the guest crashed") || text.contains("KVM_EXIT_SHUTDOWN")
     })
 }
+
+/// File inside the test host (its own tmpfs, so it lives as long as that test host) to which every
+/// `bulkhead-vmm` appends a line per boot (`BULKHEAD_BOOT_LOG`).
+const BOOT_LOG: &str = "/tmp/bulkhead-harness-boots.log";
+/// Prefix of the line the inner script prints after the test: `<prefix> <this run> <total>`.
+const BOOTS_MARKER: &str = "bulkhead-harness: guest boots:";
+
+/// Prints, straight to the process's stderr (libtest does not capture it, so it shows in CI
+/// logs), how many guests the delegated run booted and how many the current test host has booted
+/// in all: the evidence that one test-host boot serves many guest boots.
+fn report_guest_boots(args: &[&str], stdout: &str) {
+    use std::io::Write;
+    let Some(counts) = stdout
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix(BOOTS_MARKER))
+    else {
+        return;
+    };
+    let mut counts = counts.split_whitespace();
+    let (this_run, total) = (counts.next().unwrap_or("?"), counts.next().unwrap_or("?"));
+    let name = args.get(1).copied().unwrap_or("?");
+    let line = format!(
+        "guest boots: {this_run} in {name}; {total} so far in test host #{}\n",
+        TEST_HOSTS_STARTED.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+/// Test hosts booted by this process (a dead one is replaced by a new one).
+static TEST_HOSTS_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Declares a guest-level test: `guest_test!(fn name() { ... })` runs the body through
 /// [`in_vm_host`].
@@ -119,13 +151,22 @@ fn inner_script(args: &[&str]) -> String {
     let data = artifacts::data_home();
     // Settings for the inner run (bench counts, log filters) pass through.
     let passthrough: String = env::vars()
-        .filter(|(k, v)| k.starts_with("BULKHEAD_") && !v.contains('\''))
+        .filter(|(k, v)| {
+            k.starts_with("BULKHEAD_") && k != "BULKHEAD_BOOT_LOG" && !v.contains('\'')
+        })
         .map(|(k, v)| format!(" {k}='{v}'"))
         .collect();
+    // The test's status is the script's; the boot counts (lines of the boot log before and
+    // after) are printed on the last line of stdout for `report_guest_boots`.
     format!(
-        "export {INNER_ENV}=1 HOME='{home}' XDG_DATA_HOME='{}' RUST_BACKTRACE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin{passthrough}\n\
+        "export {INNER_ENV}=1 HOME='{home}' XDG_DATA_HOME='{}' RUST_BACKTRACE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin BULKHEAD_BOOT_LOG={BOOT_LOG}{passthrough}\n\
          cd '{}'\n\
-         exec '{}' {}\n",
+         before=$(cat {BOOT_LOG} 2>/dev/null | wc -l)\n\
+         '{}' {}\n\
+         rc=$?\n\
+         after=$(cat {BOOT_LOG} 2>/dev/null | wc -l)\n\
+         echo \"{BOOTS_MARKER} $((after - before)) $after\"\n\
+         exit $rc\n",
         data.display(),
         workspace_root().display(),
         exe.display(),
@@ -175,6 +216,7 @@ fn test_host(dead: Option<&Arc<TestHost>>) -> Arc<TestHost> {
 }
 
 fn start_test_host() -> TestHost {
+    TEST_HOSTS_STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let a = artifacts();
     let config = TestHostConfig {
         // Multi-threaded TCG: with one TCG thread, about 1 in 7 nested guest boots stalled

@@ -2,6 +2,9 @@
 //!
 //! Exit status: 0 when the guest reset (`reboot`) or powered off; 1 when the VM could not be built
 //! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed or a vCPU failed.
+//!
+//! Environment: `BULKHEAD_LOG` (tracing filter, default `warn`); `BULKHEAD_BOOT_LOG=FILE`
+//! appends one line per booted VM to FILE (see `log_boot`).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -122,6 +125,29 @@ fn main() -> ExitCode {
     }
 }
 
+/// Environment variable naming a file that gets one line per VM this binary boots
+/// (`pid=<pid> kernel=<path>`), appended with `O_APPEND` so concurrent VMMs never interleave.
+/// The test suite counts guest boots with it; an operator can use it as a boot audit trail.
+const BOOT_LOG_ENV: &str = "BULKHEAD_BOOT_LOG";
+
+/// Appends this boot to the [`BOOT_LOG_ENV`] file when it is set. A log that cannot be written
+/// only gets a warning: it must not stop the VM.
+fn log_boot(kernel: &Path) {
+    use std::io::Write;
+    let Some(path) = std::env::var_os(BOOT_LOG_ENV) else {
+        return;
+    };
+    let line = format!("pid={} kernel={}\n", std::process::id(), kernel.display());
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = written {
+        tracing::warn!("cannot append to {BOOT_LOG_ENV} file {path:?}: {e}");
+    }
+}
+
 /// SIGTERM, SIGINT and SIGHUP stop the VM cleanly (devices are torn down and the vsock socket
 /// removed) instead of killing the process.
 fn stop_on_signals(stop: StopHandle) -> Result<(), String> {
@@ -155,6 +181,7 @@ fn run(
         ));
     }
     let vmm = build_with_kvm(&config, kvm_device).map_err(|e| e.to_string())?;
+    log_boot(&config.kernel);
     stop_on_signals(vmm.stop_handle())?;
     let ranges = guest_ranges(vmm.guest_memory());
     let outcome = vmm
