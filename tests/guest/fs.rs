@@ -304,6 +304,74 @@ guest_test!(
     }
 );
 
+guest_test!(
+    fn renames_out_of_or_into_a_share_stay_in_the_guest_and_leave_the_host_unchanged() {
+        // Arrange: files to move, planted links (absolute and relative) to the host's outside/.
+        let tree = Tree::new();
+        tree.plant_links();
+        std::os::unix::fs::symlink("../outside", tree.path("rw/rel_dir")).unwrap();
+        std::fs::create_dir(tree.path("rw/sub")).unwrap();
+        std::os::unix::fs::chown(tree.path("rw/sub"), Some(OWNER.0), Some(OWNER.1)).unwrap();
+        for name in ["out1", "out2", "out3", "out4", "kept"] {
+            let path = tree.path(&format!("rw/{name}"));
+            std::fs::write(&path, format!("{name}\n")).unwrap();
+            std::os::unix::fs::chown(path, Some(OWNER.0), Some(OWNER.1)).unwrap();
+        }
+        // Everything beside the share: outside/, ro/ and the base directory's entries.
+        let beside = || -> Vec<_> {
+            let all = snapshot(tree.base.path());
+            all.into_iter()
+                .filter(|(k, _)| !k.starts_with("rw"))
+                .collect()
+        };
+        let before = beside();
+        let sandbox = Sandbox::start(&config(vec![mount(tree.path("rw"), RW, false)])).unwrap();
+
+        // Act: the links resolve in the guest, to the same paths there (made to exist).
+        let out = sh_ok(
+            &sandbox,
+            &format!(
+                "o={o}; mkdir -p $o /mnt/outside; echo guest copy > $o/secret
+                 echo guest rel copy > /mnt/outside/secret; echo guest 2 > /mnt/outside/secret2
+                 cd /mnt/rw
+                 mv out1 to_outside/; mv out2 ../escaped; mv out3 rel_dir/
+                 mv out4 to_secret
+                 mv to_outside/secret stolen; mv rel_dir/secret stolen_rel
+                 mv ../outside/secret2 stolen_dotdot
+                 mv kept sub/
+                 cat $o/out1 /mnt/escaped /mnt/outside/out3",
+                o = tree.path("outside").display()
+            ),
+        );
+
+        // Assert: moved out = gone from the share into the guest's own file system; moved in =
+        // the guest's files, never the host's; a rename onto a link replaces the link.
+        assert_eq!(out, "out1\nout2\nout3\n");
+        sandbox.destroy().unwrap();
+        assert_eq!(beside(), before, "something beside the share changed");
+        assert_eq!(tree.read("outside/secret"), "host secret\n");
+        for gone in ["out1", "out2", "out3", "out4", "kept"] {
+            let path = tree.path(&format!("rw/{gone}"));
+            assert!(
+                std::fs::symlink_metadata(path).is_err(),
+                "rw/{gone} is left"
+            );
+        }
+        let replaced = std::fs::symlink_metadata(tree.path("rw/to_secret")).unwrap();
+        assert!(
+            replaced.is_file(),
+            "the rename onto to_secret followed the link"
+        );
+        assert_eq!(tree.read("rw/to_secret"), "out4\n");
+        assert_eq!(tree.read("rw/stolen"), "guest copy\n");
+        assert_eq!(tree.read("rw/stolen_rel"), "guest rel copy\n");
+        assert_eq!(tree.read("rw/stolen_dotdot"), "guest 2\n");
+        assert_eq!(tree.read("rw/sub/kept"), "kept\n");
+        let link = std::fs::read_link(tree.path("rw/to_outside")).unwrap();
+        assert_eq!(link, tree.path("outside"), "the planted link was replaced");
+    }
+);
+
 /// 200 MiB of deterministic pseudo-random bytes (xorshift64).
 fn big_data() -> Vec<u8> {
     let mut state = 0x9e37_79b9_7f4a_7c15_u64;

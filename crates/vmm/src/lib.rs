@@ -19,6 +19,7 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
+pub mod limits;
 pub mod timings;
 pub mod vmm;
 pub mod vstate;

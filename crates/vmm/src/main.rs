@@ -180,6 +180,11 @@ fn run(
             kvm.explain()
         ));
     }
+    // virtio-fs holds a descriptor per guest-visible inode (see `limits`).
+    match bulkhead_vmm::limits::raise_open_files_limit() {
+        Ok((soft, _)) => tracing::debug!("open files limit: {soft}"),
+        Err(e) => tracing::warn!("cannot raise the open files limit: {e}"),
+    }
     let vmm = build_with_kvm(&config, kvm_device).map_err(|e| e.to_string())?;
     log_boot(&config.kernel);
     stop_on_signals(vmm.stop_handle())?;
