@@ -99,7 +99,15 @@ impl FromStr for Workspace {
         let (host, mode) = match (s.strip_suffix(":clone"), s.strip_suffix(":direct")) {
             (Some(host), _) => (host, WorkspaceMode::Clone),
             (None, Some(host)) => (host, WorkspaceMode::Direct),
-            (None, None) => (s, WorkspaceMode::Direct),
+            (None, None) => {
+                if let Some(mode) = unknown_mode_suffix(s) {
+                    return Err(WorkspaceError::UnknownMode {
+                        value: s.to_owned(),
+                        mode: mode.to_owned(),
+                    });
+                }
+                (s, WorkspaceMode::Direct)
+            }
         };
         if host.is_empty() {
             return Err(WorkspaceError::Syntax(s.to_owned()));
@@ -109,6 +117,14 @@ impl FromStr for Workspace {
             mode,
         })
     }
+}
+
+/// The `WORD` of `DIR:WORD` when it looks like a mistyped mode: a plain word after the last
+/// colon, with `DIR:WORD` not an existing path (a directory may have a colon in its name).
+fn unknown_mode_suffix(s: &str) -> Option<&str> {
+    let (dir, word) = s.rsplit_once(':')?;
+    let plain_word = !word.is_empty() && word.chars().all(|c| c.is_ascii_alphabetic());
+    (plain_word && !dir.is_empty() && !Path::new(s).exists()).then_some(word)
 }
 
 /// What the runtime directory records about a sandbox's workspace.
@@ -128,6 +144,14 @@ pub enum WorkspaceError {
     /// The value of `--workspace` is malformed.
     #[error("--workspace `{0}` is not DIR[:direct|:clone]")]
     Syntax(String),
+    /// `DIR:WORD` where WORD is neither `direct` nor `clone` and `DIR:WORD` does not exist.
+    #[error("--workspace `{value}`: unknown mode `{mode}` (use DIR:direct or DIR:clone)")]
+    UnknownMode {
+        /// The whole value.
+        value: String,
+        /// The word after the last colon.
+        mode: String,
+    },
     /// The directory is unusable (missing, not a directory, root-owned for a direct share).
     #[error("workspace: {0}")]
     Dir(MountError),
@@ -334,6 +358,24 @@ mod tests {
         );
         assert_eq!(direct.host, PathBuf::from("/src"));
         assert!(":clone".parse::<Workspace>().is_err());
+    }
+
+    #[test]
+    fn a_mistyped_mode_is_an_error_unless_the_whole_value_is_a_directory() {
+        // Arrange: a directory whose name ends in a colon and a word.
+        let base = tempfile::tempdir().unwrap();
+        let colon_dir = base.path().join("build:old");
+        fs::create_dir(&colon_dir).unwrap();
+        let typo = format!("{}:clnoe", base.path().display());
+
+        // Act
+        let err = typo.parse::<Workspace>().unwrap_err();
+        let existing: Workspace = colon_dir.to_str().unwrap().parse().unwrap();
+
+        // Assert
+        assert!(err.to_string().contains("unknown mode `clnoe`"), "{err}");
+        assert_eq!(existing.host, colon_dir);
+        assert_eq!(existing.mode, WorkspaceMode::Direct);
     }
 
     #[test]
