@@ -65,7 +65,12 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
     /// Compare two results written with --json (p50s and their ratio B/A); runs nothing.
-    #[arg(long, num_args = 2, value_names = ["A.json", "B.json"])]
+    #[arg(
+        long,
+        num_args = 2,
+        value_names = ["A.json", "B.json"],
+        conflicts_with_all = ["runs", "concurrency", "mode", "image", "vcpus", "memory", "boot_timeout", "json", "plot", "command"]
+    )]
     compare: Option<Vec<PathBuf>>,
     /// The command each sandbox runs [default: true].
     #[arg(trailing_var_arg = true, value_name = "CMD")]
@@ -211,4 +216,29 @@ fn check_writable(path: &std::path::Path) -> Result<(), String> {
     std::fs::File::create(path)
         .map(drop)
         .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn compare_refuses_flags_that_would_be_ignored() {
+        // Arrange / Act
+        let with_runs =
+            Cli::try_parse_from(["bench", "--compare", "a.json", "b.json", "--runs", "5"]);
+        let alone = Cli::try_parse_from(["bench", "--compare", "a.json", "b.json"]);
+
+        // Assert
+        let err = with_runs.unwrap_err().to_string();
+        assert!(err.contains("--runs"), "{err}");
+        assert_eq!(alone.unwrap().bench.compare.unwrap().len(), 2);
+    }
 }

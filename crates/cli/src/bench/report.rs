@@ -299,7 +299,26 @@ impl BenchReport {
                 report.schema
             ));
         }
+        report
+            .check_times()
+            .map_err(|e| format!("{}: {e}: not a bench result", path.display()))?;
         Ok(report)
+    }
+
+    /// Every time in the runs is a duration: not negative (JSON has no NaN or infinity).
+    fn check_times(&self) -> Result<(), String> {
+        for run in &self.runs {
+            let times = run.phases_ms.named().into_iter().chain([
+                ("create_to_vmm_start_ms", run.create_to_vmm_start_ms),
+                ("create_to_first_output_ms", run.create_to_first_output_ms),
+            ]);
+            for (name, ms) in times {
+                if let Some(ms) = ms.filter(|ms| *ms < 0.0) {
+                    return Err(format!("run {} has {name} = {ms} ms", run.index));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -393,6 +412,22 @@ pub(crate) mod tests {
         let err = BenchReport::load(&path).unwrap_err();
 
         assert!(err.contains("bulkhead-bench/0"), "{err}");
+    }
+
+    #[test]
+    fn a_negative_time_is_refused_with_the_run_and_phase() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edited.json");
+        let mut bad = run(3, 1.0);
+        bad.phases_ms.agent_ready = Some(-40.0);
+        report(vec![run(0, 1.0), bad]).save(&path).unwrap();
+
+        let err = BenchReport::load(&path).unwrap_err();
+
+        assert!(
+            err.contains("run 3") && err.contains("agent_ready = -40"),
+            "{err}"
+        );
     }
 
     #[test]
