@@ -26,6 +26,7 @@
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 use std::str::FromStr;
@@ -205,7 +206,8 @@ fn cmdline_param(tag: &str, mount: &Mount) -> String {
 }
 
 /// The guest path, normalised (no `.` components, trailing or doubled `/`), if it is absolute,
-/// not `/`, without `..` components and at most [`MAX_GUEST_PATH`] bytes.
+/// not `/`, without `..` components or control characters (newlines, tabs, escapes: they would
+/// show up in `mount` tables and logs) and at most [`MAX_GUEST_PATH`] bytes.
 fn guest_path(path: &Path) -> Result<PathBuf, MountError> {
     if !path.is_absolute() {
         return Err(MountError::GuestNotAbsolute(path.to_owned()));
@@ -227,6 +229,14 @@ fn guest_path(path: &Path) -> Result<PathBuf, MountError> {
     }
     if normal.as_os_str().len() > MAX_GUEST_PATH {
         return Err(invalid("it is longer than 160 bytes"));
+    }
+    if normal
+        .as_os_str()
+        .as_bytes()
+        .iter()
+        .any(u8::is_ascii_control)
+    {
+        return Err(invalid("it contains control characters"));
     }
     Ok(normal)
 }
@@ -339,7 +349,7 @@ pub(crate) mod tests {
     fn guest_paths_must_be_absolute_and_plain() {
         // Arrange
         let dir = shareable_dir();
-        let cases = ["work", "/", "/a/../b", "//"];
+        let cases = ["work", "/", "/a/../b", "//", "/mnt/a\nb", "/mnt/\x1b[2J"];
 
         // Act
         let errors: Vec<String> = cases
