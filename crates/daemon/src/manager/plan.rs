@@ -21,6 +21,9 @@ pub const MAX_PIDS: u32 = 1 << 22;
 pub const MIN_CPU_QUOTA: f64 = 0.01;
 /// Most labels per sandbox.
 pub const MAX_LABELS: usize = 64;
+/// Longest time to live a sandbox may ask for, whatever `max_ttl_s` says: 100 years in seconds.
+/// Beyond it the deadline would not be a date `expires_at` (RFC 3339, years 0000-9999) can show.
+pub const MAX_TTL_S: u64 = 100 * 365 * 24 * 3600;
 /// Longest label key or value, bytes.
 pub const MAX_LABEL_LEN: usize = 256;
 
@@ -74,13 +77,9 @@ pub fn plan(
     check_memory(config, spec, host)?;
     check_env_and_labels(spec)?;
     if let Some(ttl) = spec.ttl_s {
-        if ttl == 0 || config.max_ttl_s.is_some_and(|max| ttl > max) {
-            return invalid(format!(
-                "ttl_s must be between 1 and {}",
-                config
-                    .max_ttl_s
-                    .map_or("unlimited".into(), |m| m.to_string())
-            ));
+        let max = config.max_ttl_s.unwrap_or(MAX_TTL_S).min(MAX_TTL_S);
+        if !(1..=max).contains(&ttl) {
+            return invalid(format!("ttl_s must be between 1 and {max}"));
         }
     }
     let pids_max = spec
@@ -333,6 +332,31 @@ mod tests {
             &results[2],
             Err(ManagerError::InsufficientMemory(_))
         ));
+    }
+
+    #[test]
+    fn a_ttl_beyond_a_century_is_refused_even_without_a_configured_maximum() {
+        // Arrange
+        let ttl = |secs| CreateSandbox {
+            ttl_s: Some(secs),
+            ..spec()
+        };
+
+        // Act
+        let results = [
+            plan_of(&ttl(u64::MAX)),
+            plan_of(&ttl(0)),
+            plan_of(&ttl(MAX_TTL_S)),
+        ];
+
+        // Assert
+        for refused in &results[..2] {
+            assert!(
+                matches!(refused, Err(ManagerError::Invalid(m)) if m.contains("ttl_s must be between 1 and 3153600000")),
+                "{refused:?}"
+            );
+        }
+        assert!(results[2].is_ok(), "{:?}", results[2]);
     }
 
     #[test]
