@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bulkhead_client::{
-    ChangeKind, ExportFormat, MountSpec, WorkspaceChange, WorkspaceDiffInfo, WorkspaceMode,
-    WorkspaceSpec,
+    ChangeKind, ExportFormat, MountSpec, SkippedPath, WorkspaceChange, WorkspaceDiffInfo,
+    WorkspaceMode, WorkspaceSpec,
 };
 use bulkhead_sandbox::workspace::quote_path;
 use bulkhead_sandbox::{Mount, Workspace};
@@ -95,14 +95,9 @@ pub fn diff(args: DiffArgs) -> ExitCode {
             .map_err(|e| format!("writing the diff: {e}"))?;
         eprint!("{}", notes(&diff));
         let flagged: Vec<&WorkspaceChange> = diff.changes.iter().filter(|c| c.flagged).collect();
-        let skipped: Vec<(String, String)> = diff
-            .skipped
-            .iter()
-            .map(|s| (s.path.clone(), s.reason.clone()))
-            .collect();
         eprint!(
             "{}",
-            review(&flagged, flagged.len(), &skipped, skipped.len())
+            review(&flagged, flagged.len(), &diff.skipped, diff.skipped.len())
         );
         Ok(0)
     })
@@ -155,7 +150,7 @@ fn notes(diff: &WorkspaceDiffInfo) -> String {
 fn review(
     flagged: &[&WorkspaceChange],
     flagged_total: usize,
-    skipped: &[(String, String)],
+    skipped: &[SkippedPath],
     skipped_total: usize,
 ) -> String {
     if flagged_total == 0 && skipped_total == 0 {
@@ -183,8 +178,12 @@ fn review(
             flagged_total - flagged.len()
         ));
     }
-    for (path, reason) in skipped {
-        out.push_str(&format!("  ? {}  ({reason})\n", quote_path(path)));
+    for entry in skipped {
+        out.push_str(&format!(
+            "  ? {}  ({})\n",
+            quote_path(&entry.path),
+            entry.reason
+        ));
     }
     if skipped_total > skipped.len() {
         out.push_str(&format!(
@@ -234,17 +233,12 @@ pub fn export(args: ExportArgs) -> ExitCode {
             );
         }
         let flagged: Vec<&WorkspaceChange> = review_doc.flagged.iter().collect();
-        let skipped: Vec<(String, String)> = review_doc
-            .skipped
-            .iter()
-            .map(|s| (s.path.clone(), s.reason.clone()))
-            .collect();
         eprint!(
             "{}",
             review(
                 &flagged,
                 review_doc.flagged_total,
-                &skipped,
+                &review_doc.skipped,
                 review_doc.skipped_total
             )
         );
@@ -299,7 +293,10 @@ mod tests {
         let text = review(
             &[&hook],
             3,
-            &[("bad\u{fffd}".into(), "not UTF-8".into())],
+            &[SkippedPath {
+                path: "bad\u{fffd}".into(),
+                reason: "not UTF-8".into(),
+            }],
             1,
         );
 
