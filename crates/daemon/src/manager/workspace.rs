@@ -2,8 +2,10 @@
 //! run on the blocking pool.
 
 use std::fs::File;
-use std::io::{Seek, SeekFrom};
+use std::io::{self, Seek, SeekFrom, Write};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use bulkhead_client::SandboxState;
 use bulkhead_protocol::client::AgentClient;
@@ -66,20 +68,90 @@ impl Manager {
         format: ExportFormat,
     ) -> Result<(File, WorkspaceDiff), WorkspaceFailure> {
         let (client, dir) = self.workspace_target(id)?;
+        // When the request goes away (the client disconnected), this future is dropped with
+        // the guard, and the export stops at its next write instead of finishing for nobody.
+        let guard = CancelOnDrop::default();
+        let cancelled = guard.flag();
         let result = tokio::task::spawn_blocking(move || {
             let io = |op, source| WorkspaceError::Io {
                 op,
                 path: dir.clone(),
                 source,
             };
-            let mut file = tempfile::tempfile_in(&dir).map_err(|e| io("create a file in", e))?;
-            let diff = workspace::export(&client, &dir, format, &mut file)?;
+            let file = tempfile::tempfile_in(&dir).map_err(|e| io("create a file in", e))?;
+            let mut out = Cancellable {
+                inner: file,
+                cancelled,
+            };
+            let diff = workspace::export(&client, &dir, format, &mut out)?;
+            let mut file = out.inner;
             file.seek(SeekFrom::Start(0))
                 .map_err(|e| io("rewind the export in", e))?;
             Ok::<_, WorkspaceError>((file, diff))
         })
         .await
         .map_err(|e| ManagerError::Internal(format!("the export task failed: {e}")))??;
+        drop(guard);
         Ok(result)
+    }
+}
+
+/// Sets its flag when dropped: the request that owns it is gone.
+#[derive(Debug, Default)]
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl CancelOnDrop {
+    fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A writer that fails every write once `cancelled` is set (error kind `Interrupted` is not
+/// used: callers would retry it), so a long export ends early.
+struct Cancellable<W> {
+    inner: W,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl<W: Write> Write for Cancellable<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.cancelled.load(Ordering::Relaxed) {
+            return Err(io::Error::other("the client went away"));
+        }
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_fail_once_the_request_is_dropped() {
+        // Arrange
+        let guard = CancelOnDrop::default();
+        let mut out = Cancellable {
+            inner: Vec::new(),
+            cancelled: guard.flag(),
+        };
+        out.write_all(b"before").unwrap();
+
+        // Act
+        drop(guard);
+        let after = out.write_all(b"after");
+
+        // Assert
+        assert_eq!(out.inner, b"before");
+        assert!(after.unwrap_err().to_string().contains("went away"));
     }
 }
