@@ -5,6 +5,8 @@ mod bad_input;
 mod bench;
 mod boot;
 mod fs;
+mod fs_many;
 mod images;
 mod run;
+mod run_export;
 mod sandbox_api;

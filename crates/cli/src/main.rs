@@ -7,6 +7,7 @@ mod bench;
 mod daemon_cmds;
 mod image_cmds;
 mod run;
+mod run_export;
 mod rundir;
 mod signals;
 mod workspace_cmds;

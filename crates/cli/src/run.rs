@@ -13,7 +13,7 @@ use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, Workspace};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
-use crate::rundir;
+use crate::{run_export, rundir};
 
 /// How long a failed run waits for the VMM to end before reporting (1 s).
 const VM_END_WAIT: Duration = Duration::from_secs(1);
@@ -80,6 +80,15 @@ pub struct RunArgs {
     /// read-only under a private writable layer, so nothing the command does reaches DIR.
     #[arg(long, value_name = "DIR[:direct|:clone]")]
     workspace: Option<Workspace>,
+    /// With `--workspace DIR:clone`: when the command has ended, write its changes to the
+    /// workspace as a git-style patch to FILE (apply with `git apply FILE` in DIR or a copy).
+    /// Paths that run code on the host implicitly are listed on stderr for review.
+    #[arg(long, value_name = "FILE", conflicts_with = "export_tar")]
+    export_patch: Option<PathBuf>,
+    /// With `--workspace DIR:clone`: like --export-patch, as a tar archive of the changed files
+    /// with `.bulkhead-export/deleted` and `.bulkhead-export/manifest.json`.
+    #[arg(long, value_name = "FILE")]
+    export_tar: Option<PathBuf>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<String>,
@@ -110,6 +119,11 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     bulkhead_sandbox::mounts::check(&config.mounts).map_err(|e| e.to_string())?;
     bulkhead_sandbox::workspace::check(config.workspace.as_ref(), &config.mounts)
         .map_err(|e| e.to_string())?;
+    let export_to = run_export::target(
+        args.export_patch.as_deref(),
+        args.export_tar.as_deref(),
+        config.workspace.as_ref(),
+    )?;
     require_bootable_kvm("run -- CMD")?;
     // This run's own directory for the sandbox's runtime files, so a signal during the boot
     // can remove them (see `signals`); removed at the end of a normal run too.
@@ -119,8 +133,13 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let mut sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
     let outcome =
         run_command(&sandbox, &request, &router).map_err(|e| explain_vm_end(&mut sandbox, e));
+    let exported = match (&outcome, &export_to) {
+        (Ok(_), Some(target)) => run_export::export(&sandbox, target),
+        _ => Ok(()),
+    };
     let destroyed = sandbox.destroy_timed();
     let status = outcome?;
+    exported?;
     match destroyed {
         Ok(timings) if args.timings => print_timings(&timings),
         Ok(_) => {}
