@@ -172,7 +172,7 @@ impl ColdStart<'_> {
                 return record;
             }
         };
-        let exited = run_command(&sandbox, self.request);
+        let exited = run_command(&sandbox, self.request, self.config.ready_timeout);
         let memory = sample_memory(&sandbox);
         let destroyed = sandbox.destroy_timed();
         if let Ok(timings) = &destroyed {
@@ -193,9 +193,17 @@ impl ColdStart<'_> {
 }
 
 /// Runs `request`, marking the sandbox's first output; returns the exit code (128+N for
-/// signal N).
-fn run_command(sandbox: &Sandbox, request: &ExecRequest) -> Result<i32, String> {
+/// signal N). Connecting and each read may take up to `patience` (the boot timeout): in a
+/// burst, a guest that just announced itself can need far longer than the client's default
+/// 10 s to answer while its neighbours boot.
+fn run_command(
+    sandbox: &Sandbox,
+    request: &ExecRequest,
+    patience: Duration,
+) -> Result<i32, String> {
     let (_writer, mut reader) = sandbox
+        .client()
+        .with_timeout(patience)
         .exec(request)
         .map_err(|e| format!("exec: {e}"))?
         .split();
