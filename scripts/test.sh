@@ -19,4 +19,11 @@ log "host binaries the guest tests drive (bulkhead-vmm, bulkhead, bulkheadd)"
 cargo build --workspace --bins --quiet
 log "cargo test (unit, doc and integration tests)"
 cargo test --workspace --no-fail-fast
+log "fuzz harnesses: fmt, clippy, corpus replay (fuzz/ is its own workspace)"
+cargo fmt --manifest-path fuzz/Cargo.toml --check
+cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --quiet -- -D warnings
+cargo test --manifest-path fuzz/Cargo.toml --quiet
+log "fuzzing: every target for 60 s (docs/fuzzing.md)"
+cargo +nightly --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
+scripts/fuzz.sh --seconds 60
 log "all tests passed"

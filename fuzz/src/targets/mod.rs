@@ -1,0 +1,19 @@
+//! One harness per fuzz target; each exposes `run(&[u8])`, which `fuzz_targets/<name>.rs` calls.
+
+pub mod agent;
+pub mod blk;
+pub mod fs;
+pub mod mmio;
+pub mod vsock;
+
+/// A harness: runs one input, panics on a finding.
+pub type Harness = fn(&[u8]);
+
+/// The targets by name, as `fuzz_targets/` and `fuzz/corpus/` name them, with their harness.
+pub const ALL: [(&str, Harness); 5] = [
+    ("virtio_blk", blk::run),
+    ("vsock", vsock::run),
+    ("virtio_mmio", mmio::run),
+    ("virtio_fs", fs::run),
+    ("agent_frames", agent::run),
+];
