@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every bulkhead test: formatting, lints, unit tests, and the guest-level integration tests
-# (which boot real guests, inside the nested test host when this host's KVM cannot).
+# Runs every bulkhead test: formatting, lints, unit tests, the guest-level integration tests
+# (which boot real guests, inside the nested test host when this host's KVM cannot), and 60 s of
+# fuzzing per fuzz target (needs the nightly toolchain, installed when missing).
 # Exits non-zero when anything fails.
 set -euo pipefail
 
