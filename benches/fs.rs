@@ -52,7 +52,7 @@ use bulkhead_protocol::client::ExecOutput;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig};
 use bulkhead_tests::artifacts;
-use bulkhead_tests::bench::{env_count, print_table, write_json, Row, Unit};
+use bulkhead_tests::bench::{env_count, print_table, uptime_elapsed, write_json, Row, Unit};
 
 /// Size of the file read, MiB (`dd bs=1M` reads it in this many records).
 const FILE_MIB: u64 = 256;
@@ -176,7 +176,7 @@ impl Op {
     /// The sample of one run from its script's output: MiB/s for a read, ms for a walk, after
     /// checking that the read had every record and the walk counted every entry.
     fn sample(self, out: &str) -> Result<f64, String> {
-        let seconds = elapsed(out)?;
+        let seconds = uptime_elapsed(out)?;
         match self {
             Op::Read => {
                 let records = out
@@ -239,29 +239,6 @@ fn output_text(stdout: &[u8], stderr: &[u8]) -> String {
         String::from_utf8_lossy(stdout),
         String::from_utf8_lossy(stderr)
     )
-}
-
-/// Seconds between the two `/proc/uptime` readings of a script's `uptime` line.
-fn elapsed(out: &str) -> Result<f64, String> {
-    let times: Vec<f64> = out
-        .lines()
-        .find_map(|l| l.strip_prefix("uptime "))
-        .map(|t| {
-            t.split_whitespace()
-                .filter_map(|v| v.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    let [before, after] = times[..] else {
-        return Err(format!("no `uptime` line in {out:?}"));
-    };
-    let seconds = after - before;
-    if seconds <= 0.0 {
-        return Err(format!(
-            "the run took less than /proc/uptime's 10 ms resolution: {out:?}"
-        ));
-    }
-    Ok(seconds)
 }
 
 /// Writes `FILE_MIB` MiB of pseudo-random bytes (xorshift64) to `path` and flushes it.

@@ -41,7 +41,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bulkhead_protocol::client::ExecOutput;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
-use bulkhead_tests::bench::{env_count, print_table, write_json, Row, Unit};
+use bulkhead_tests::bench::{env_count, print_table, uptime_elapsed, write_json, Row, Unit};
 use bulkhead_tests::{artifacts, scratch_dir};
 use bulkhead_vmm::config::DiskConfig;
 
@@ -225,24 +225,7 @@ fn parse_read(out: &str) -> Result<f64, String> {
     if records != format!("{DISK_MIB}+0") {
         return Err(format!("read {records} records, not {DISK_MIB}+0: {out:?}"));
     }
-    let times: Vec<f64> = out
-        .lines()
-        .find_map(|l| l.strip_prefix("uptime "))
-        .map(|t| {
-            t.split_whitespace()
-                .filter_map(|v| v.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    let [before, after] = times[..] else {
-        return Err(format!("no `uptime` line in {out:?}"));
-    };
-    let seconds = after - before;
-    if seconds <= 0.0 {
-        return Err(format!(
-            "the read took less than /proc/uptime's 10 ms resolution: {out:?}"
-        ));
-    }
+    let seconds = uptime_elapsed(out)?;
     Ok(DISK_MIB as f64 / seconds)
 }
 

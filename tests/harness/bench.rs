@@ -186,3 +186,31 @@ pub fn write_json(rows: &[Row], file: &str) -> PathBuf {
     }
     path
 }
+
+/// Seconds between the two readings of an `uptime <before> <after>` line in a benchmark
+/// script's output (each a `/proc/uptime` first field, 10 ms resolution), e.g.
+/// `uptime 12.34 15.67` → 3.33.
+///
+/// # Errors
+/// No such line, or a run shorter than the clock's resolution; the message quotes `out`.
+pub fn uptime_elapsed(out: &str) -> Result<f64, String> {
+    let times: Vec<f64> = out
+        .lines()
+        .find_map(|l| l.strip_prefix("uptime "))
+        .map(|t| {
+            t.split_whitespace()
+                .filter_map(|v| v.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let [before, after] = times[..] else {
+        return Err(format!("no `uptime` line in {out:?}"));
+    };
+    let seconds = after - before;
+    if seconds <= 0.0 {
+        return Err(format!(
+            "the run took less than /proc/uptime's 10 ms resolution: {out:?}"
+        ));
+    }
+    Ok(seconds)
+}
