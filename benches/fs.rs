@@ -43,22 +43,20 @@
 //! with the same limit set by this benchmark for the VMM.
 
 use std::fs::{self, File};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bulkhead_protocol::client::ExecOutput;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig};
 use bulkhead_tests::artifacts;
-use bulkhead_tests::bench::{env_count, print_table, uptime_elapsed, write_json, Row, Unit};
+use bulkhead_tests::bench::{
+    env_count, print_table, uptime_elapsed, write_json, write_random_file, Row, Unit,
+};
 
 /// Size of the file read, MiB (`dd bs=1M` reads it in this many records).
 const FILE_MIB: u64 = 256;
-
-/// Bytes in a MiB.
-const MIB: usize = 1 << 20;
 
 /// Directories in the walked tree, and empty files in each.
 const DIRS: usize = 100;
@@ -87,7 +85,7 @@ fn bench() {
         .prefix("bulkhead-fs-bench-")
         .tempdir()
         .expect("create the data directory");
-    random_file(&data.path().join(FILE_NAME));
+    write_random_file(&data.path().join(FILE_NAME), FILE_MIB);
     file_tree(&data.path().join(TREE_NAME));
     let share = Mount {
         host: data.path().to_owned(),
@@ -239,26 +237,6 @@ fn output_text(stdout: &[u8], stderr: &[u8]) -> String {
         String::from_utf8_lossy(stdout),
         String::from_utf8_lossy(stderr)
     )
-}
-
-/// Writes `FILE_MIB` MiB of pseudo-random bytes (xorshift64) to `path` and flushes it.
-fn random_file(path: &Path) {
-    let mut file = File::create(path).expect("create the data file");
-    let mut state = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(1, |d| d.as_nanos() as u64)
-        | 1;
-    let mut chunk = vec![0u8; MIB];
-    for _ in 0..FILE_MIB {
-        for word in chunk.chunks_exact_mut(8) {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            word.copy_from_slice(&state.to_le_bytes());
-        }
-        file.write_all(&chunk).expect("write the data file");
-    }
-    file.sync_all().expect("flush the data file");
 }
 
 /// Creates the walked tree at `root`: `DIRS` directories of `FILES_PER_DIR` empty files.

@@ -32,24 +32,22 @@
 //! `BULKHEAD_BENCH_RUNS` (default 5) sets the number of reads per side and of boots per root.
 //! Results are also written as JSON to `target/bulkhead-bench/storage.json`.
 
-use std::fs::{self, File};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bulkhead_protocol::client::ExecOutput;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
-use bulkhead_tests::bench::{env_count, print_table, uptime_elapsed, write_json, Row, Unit};
+use bulkhead_tests::bench::{
+    env_count, print_table, uptime_elapsed, write_json, write_random_file, Row, Unit,
+};
 use bulkhead_tests::{artifacts, scratch_dir};
 use bulkhead_vmm::config::DiskConfig;
 
 /// Size of the data disk, MiB (`dd bs=1M` reads it in this many records).
 const DISK_MIB: u64 = 256;
-
-/// Bytes in a MiB.
-const MIB: usize = 1 << 20;
 
 /// The data disk in the guest: the first virtio-blk disk when there is no root image.
 const GUEST_DISK: &str = "/dev/vda";
@@ -158,26 +156,10 @@ fn read_runs(runs: usize) -> (Vec<f64>, Vec<f64>) {
     (guest, host)
 }
 
-/// Writes the `DISK_MIB` MiB data disk, pseudo-random bytes (xorshift64), into `dir` and flushes
-/// it to its file system.
+/// Writes the `DISK_MIB` MiB data disk, pseudo-random bytes, into `dir`.
 fn random_disk(dir: &Path) -> PathBuf {
     let path = dir.join("data.img");
-    let mut file = File::create(&path).expect("create the data disk");
-    let mut state = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(1, |d| d.as_nanos() as u64)
-        | 1;
-    let mut chunk = vec![0u8; MIB];
-    for _ in 0..DISK_MIB {
-        for word in chunk.chunks_exact_mut(8) {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            word.copy_from_slice(&state.to_le_bytes());
-        }
-        file.write_all(&chunk).expect("write the data disk");
-    }
-    file.sync_all().expect("flush the data disk");
+    write_random_file(&path, DISK_MIB);
     path
 }
 

@@ -214,3 +214,29 @@ pub fn uptime_elapsed(out: &str) -> Result<f64, String> {
     }
     Ok(seconds)
 }
+
+/// Writes `mib` MiB of pseudo-random bytes (xorshift64, seeded from the clock) to `path` and
+/// flushes them to its file system: benchmark data that no layer can compress or deduplicate.
+///
+/// # Panics
+/// When the file cannot be created or written.
+pub fn write_random_file(path: &std::path::Path, mib: u64) {
+    use std::io::Write;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let mut file = std::fs::File::create(path).expect("create the data file");
+    let mut state = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        | 1;
+    let mut chunk = vec![0u8; 1 << 20];
+    for _ in 0..mib {
+        for word in chunk.chunks_exact_mut(8) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            word.copy_from_slice(&state.to_le_bytes());
+        }
+        file.write_all(&chunk).expect("write the data file");
+    }
+    file.sync_all().expect("flush the data file");
+}
