@@ -11,6 +11,7 @@
 //! - [`devices`]: emulated devices and the port-I/O / MMIO buses they sit on.
 //! - [`config`]: the VM configuration (JSON or command-line flags) and its validation.
 //! - [`timings`]: the boot-timeline report (`bulkhead-vmm --timings-json`).
+//! - [`seccomp`]: the seccomp-BPF allowlist of each kind of VMM thread.
 #![deny(missing_docs)]
 
 pub mod arch;
@@ -20,6 +21,7 @@ pub mod config;
 pub mod device_manager;
 pub mod devices;
 pub mod limits;
+pub mod seccomp;
 pub mod timings;
 pub mod vmm;
 pub mod vstate;

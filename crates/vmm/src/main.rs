@@ -1,19 +1,24 @@
 //! `bulkhead-vmm`: boots one microVM and exits when the guest does.
 //!
 //! Exit status: 0 when the guest reset (`reboot`) or powered off; 1 when the VM could not be built
-//! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed or a vCPU failed.
+//! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed or a vCPU failed;
+//! 4 when a seccomp filter (`--seccomp on`) blocked a system call: stderr then has
+//! `bulkhead-vmm: seccomp: blocked syscall N (<thread kind>)` with the call's number.
 //!
 //! Environment: `BULKHEAD_LOG` (tracing filter, default `warn`); `BULKHEAD_BOOT_LOG=FILE`
-//! appends one line per booted VM to FILE (see `log_boot`).
+//! appends one line per booted VM to FILE (see `log_boot`); `BULKHEAD_SECCOMP` (`on`, `off`,
+//! `log`) stands for `--seccomp` when the flag is not given.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use bulkhead_vmm::builder::build_with_kvm;
 use bulkhead_vmm::config::{
     DiskConfig, SerialOutput, ShareConfig, VmConfig, VsockConfig, DEFAULT_GUEST_CID,
     DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
 };
+use bulkhead_vmm::seccomp::{SeccompMode, ThreadFilters, ThreadKind};
 use bulkhead_vmm::timings::{guest_ranges, ProcessClock, TimingsReport};
 use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
 use bulkhead_vmm::{ExitReason, StopHandle};
@@ -74,6 +79,12 @@ struct Args {
     /// Boot even though this host's KVM is kvm_pvm (only PVM-enabled guest kernels work there).
     #[arg(long)]
     allow_pvm: bool,
+    /// seccomp filters on the VMM's threads once the VM runs: `on` (a system call outside a
+    /// thread's allowlist ends the VMM with exit status 4), `log` (it is allowed and logged to
+    /// the kernel's audit log) or `off`. Also with `--config`. Off by default until the whole
+    /// guest and daemon test suites have run with it (so far: boot, run, fs and image tests).
+    #[arg(long, value_name = "on|off|log", env = "BULKHEAD_SECCOMP", default_value_t = SeccompMode::Off)]
+    seccomp: SeccompMode,
 }
 
 impl Args {
@@ -115,8 +126,9 @@ fn main() -> ExitCode {
     let args = Args::parse();
     let allow_pvm = args.allow_pvm;
     let kvm_device = args.kvm_device.clone();
+    let seccomp = args.seccomp;
     let timings = args.timings_json.clone().map(|path| (path, process_start));
-    match run(args, allow_pvm, &kvm_device, timings) {
+    match run(args, allow_pvm, &kvm_device, timings, seccomp) {
         Ok(code) => code,
         Err(msg) => {
             eprintln!("bulkhead-vmm: error: {msg}");
@@ -149,21 +161,32 @@ fn log_boot(kernel: &Path) {
 }
 
 /// SIGTERM, SIGINT and SIGHUP stop the VM cleanly (devices are torn down and the vsock socket
-/// removed) instead of killing the process.
-fn stop_on_signals(stop: StopHandle) -> Result<(), String> {
+/// removed) instead of killing the process. The signal thread installs its seccomp filter before
+/// it waits; this returns once it did.
+fn stop_on_signals(stop: StopHandle, seccomp: Arc<ThreadFilters>) -> Result<(), String> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])
         .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    let (confined_tx, confined) = std::sync::mpsc::sync_channel(1);
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
+            let installed = seccomp.install(ThreadKind::Signal);
+            let ok = installed.is_ok();
+            let _ = confined_tx.send(installed);
+            if !ok {
+                return;
+            }
             if let Some(sig) = signals.forever().next() {
                 tracing::info!("signal {sig}: stopping the VM");
                 stop.stop();
             }
         })
         .map_err(|e| format!("cannot start the signal thread: {e}"))?;
-    Ok(())
+    match confined.recv() {
+        Ok(installed) => installed.map_err(|e| e.to_string()),
+        Err(_) => Err("the signal thread ended before it could wait for signals".into()),
+    }
 }
 
 fn run(
@@ -171,8 +194,10 @@ fn run(
     allow_pvm: bool,
     kvm_device: &Path,
     timings: Option<(PathBuf, ProcessClock)>,
+    seccomp: SeccompMode,
 ) -> Result<ExitCode, String> {
     let config = args.into_config().map_err(|e| e.to_string())?;
+    let seccomp = Arc::new(ThreadFilters::new(seccomp).map_err(|e| e.to_string())?);
     let kvm = host_kvm();
     if !kvm.can_boot_stock_kernel() && !allow_pvm {
         return Err(format!(
@@ -187,10 +212,10 @@ fn run(
     }
     let vmm = build_with_kvm(&config, kvm_device).map_err(|e| e.to_string())?;
     log_boot(&config.kernel);
-    stop_on_signals(vmm.stop_handle())?;
+    stop_on_signals(vmm.stop_handle(), Arc::clone(&seccomp))?;
     let ranges = guest_ranges(vmm.guest_memory());
     let outcome = vmm
-        .run_observed(|timeline| {
+        .run_confined(seccomp, |timeline| {
             if let Some((path, origin)) = &timings {
                 let report = TimingsReport::new(timeline, *origin, true, ranges.clone());
                 // A reader simply finds no phases; the VM itself is fine.

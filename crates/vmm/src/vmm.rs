@@ -13,6 +13,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::Killable;
 
+use crate::seccomp::{ThreadFilters, ThreadKind};
 use crate::vstate::vcpu::{self, ExitReason, Vcpu, VcpuShared};
 use crate::vstate::vm::Vm;
 
@@ -28,6 +29,9 @@ pub enum Error {
     /// A vCPU thread panicked.
     #[error("vCPU thread {0} panicked")]
     VcpuPanic(usize),
+    /// The event loop's seccomp filter could not be installed.
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::Error),
 }
 
 /// Moments of a VM's start-up, for phase timings.
@@ -166,8 +170,21 @@ impl Vmm {
     ///
     /// # Errors
     /// As [`Vmm::run`].
-    pub fn run_observed(
+    pub fn run_observed(self, on_started: impl FnOnce(&BootTimeline)) -> Result<RunOutcome, Error> {
+        self.run_confined(Arc::new(ThreadFilters::disabled()), on_started)
+    }
+
+    /// Like [`Vmm::run_observed`], with seccomp filters: each vCPU thread installs the vCPU
+    /// filter of `seccomp` before its first KVM_RUN, and this thread installs the event-loop
+    /// filter after `on_started` returns, right before the event loop first runs. The filter
+    /// stays on this thread after the VM ended (teardown runs under it).
+    ///
+    /// # Errors
+    /// As [`Vmm::run`], and [`Error::Seccomp`] when this thread's filter cannot be installed (the
+    /// VM is stopped first).
+    pub fn run_confined(
         mut self,
+        seccomp: Arc<ThreadFilters>,
         on_started: impl FnOnce(&BootTimeline),
     ) -> Result<RunOutcome, Error> {
         let reset_evt = self
@@ -178,11 +195,14 @@ impl Vmm {
         self.event_manager.add_subscriber(exit.clone());
 
         self.timeline.vcpus_started = Some(Instant::now());
-        let (threads, started) = start_vcpus(std::mem::take(&mut self.vcpus));
+        let (threads, started) = start_vcpus(std::mem::take(&mut self.vcpus), &seccomp);
         let looped = match started {
             Ok(()) => {
                 on_started(&self.timeline);
-                run_event_loop(&mut self.event_manager, &exit)
+                match seccomp.install(ThreadKind::EventLoop) {
+                    Ok(()) => run_event_loop(&mut self.event_manager, &exit),
+                    Err(e) => Err(e.into()),
+                }
             }
             Err(e) => Err(e),
         };
@@ -205,11 +225,15 @@ impl Vmm {
     }
 }
 
-/// Starts every vCPU thread; on failure returns the threads already started with the error.
-fn start_vcpus(vcpus: Vec<Vcpu>) -> (Vec<JoinHandle<()>>, Result<(), Error>) {
+/// Starts every vCPU thread (each installs its seccomp filter); on failure returns the threads
+/// already started with the error.
+fn start_vcpus(
+    vcpus: Vec<Vcpu>,
+    seccomp: &Arc<ThreadFilters>,
+) -> (Vec<JoinHandle<()>>, Result<(), Error>) {
     let mut threads = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
-        match vcpu.start() {
+        match vcpu.start_confined(Arc::clone(seccomp)) {
             Ok(t) => threads.push(t),
             Err(e) => return (threads, Err(e.into())),
         }

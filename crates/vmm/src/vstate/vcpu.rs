@@ -30,6 +30,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::devices::bus::Bus;
+use crate::seccomp::{ThreadFilters, ThreadKind};
 
 /// Errors from starting vCPU threads.
 #[derive(Debug, thiserror::Error)]
@@ -166,16 +167,32 @@ impl Vcpu {
         }
     }
 
-    /// Starts the vCPU's thread (`vcpu<id>`).
+    /// Starts the vCPU's thread (`vcpu<id>`) without a seccomp filter.
     ///
     /// # Errors
     /// [`Error::Spawn`], [`Error::SignalHandler`].
     pub fn start(self) -> Result<JoinHandle<()>, Error> {
+        self.start_confined(Arc::new(ThreadFilters::disabled()))
+    }
+
+    /// Starts the vCPU's thread (`vcpu<id>`), which installs the vCPU seccomp filter of
+    /// `seccomp` before its first KVM_RUN. A filter that cannot be installed ends the vCPU (and
+    /// so the VM) with [`ExitReason::Fatal`] before the guest runs on it.
+    ///
+    /// # Errors
+    /// [`Error::Spawn`], [`Error::SignalHandler`].
+    pub fn start_confined(self, seccomp: Arc<ThreadFilters>) -> Result<JoinHandle<()>, Error> {
         install_kick_handler()?;
         let id = self.id;
         thread::Builder::new()
             .name(format!("vcpu{id}"))
-            .spawn(move || self.run())
+            .spawn(move || {
+                if let Err(e) = seccomp.install(ThreadKind::Vcpu) {
+                    self.exiting(ExitReason::Fatal(e.to_string()));
+                    return;
+                }
+                self.run();
+            })
             .map_err(|source| Error::Spawn { id, source })
     }
 

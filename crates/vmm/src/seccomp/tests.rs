@@ -1,0 +1,156 @@
+use super::rules::Arg;
+use super::*;
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn every_filter_compiles_for_x86_64_in_both_modes() {
+    for kind in ThreadKind::ALL {
+        for mismatch in [SeccompAction::Trap, SeccompAction::Log] {
+            let program = compile(kind, TargetArch::x86_64, mismatch).unwrap();
+
+            // An arch check, one comparison per call at least, and the actions.
+            assert!(program.len() > kind.allowed_syscall_count(), "{kind}");
+        }
+    }
+}
+
+#[test]
+fn filters_for_this_host_build_in_every_mode() {
+    for mode in [SeccompMode::Log, SeccompMode::Off] {
+        let filters = ThreadFilters::new(mode).unwrap();
+
+        assert_eq!(filters.mode(), mode);
+    }
+}
+
+#[test]
+fn no_filter_allows_starting_programs_processes_or_tracing() {
+    let forbidden = [
+        libc::SYS_execve,
+        libc::SYS_execveat,
+        libc::SYS_clone,
+        libc::SYS_clone3,
+        libc::SYS_ptrace,
+        libc::SYS_mount,
+        libc::SYS_umount2,
+        libc::SYS_bpf,
+        libc::SYS_open_by_handle_at,
+        libc::SYS_process_vm_writev,
+        libc::SYS_kill,
+        libc::SYS_bind,
+        libc::SYS_listen,
+        libc::SYS_seccomp,
+        libc::SYS_prctl,
+    ];
+    for kind in ThreadKind::ALL {
+        for nr in forbidden {
+            assert!(!kind.allows(nr), "{kind} allows syscall {nr}");
+        }
+    }
+}
+
+#[test]
+fn every_filter_lets_the_sigsys_handler_report_and_exit() {
+    for kind in ThreadKind::ALL {
+        let list = kind.allowlist();
+        for nr in [
+            libc::SYS_write,
+            libc::SYS_exit_group,
+            libc::SYS_rt_sigreturn,
+        ] {
+            assert_eq!(list.rules_of(nr), Some(&[][..]), "{kind}: syscall {nr}");
+        }
+    }
+}
+
+#[test]
+fn vcpu_ioctls_are_limited_to_kvm_run_and_register_reads() {
+    let list = ThreadKind::Vcpu.allowlist();
+
+    let rules = list.rules_of(libc::SYS_ioctl).unwrap();
+
+    assert_eq!(
+        rules,
+        &[
+            vec![Arg::Eq(1, 0xae80)],
+            vec![Arg::Eq(1, 0x8090_ae81)],
+            vec![Arg::Eq(1, 0x8138_ae83)],
+        ][..]
+    );
+}
+
+#[test]
+fn only_unix_sockets_can_be_created_and_only_by_the_event_loop() {
+    let rules = ThreadKind::EventLoop.allowlist();
+
+    assert_eq!(
+        rules.rules_of(libc::SYS_socket),
+        Some(&[vec![Arg::Eq(0, libc::AF_UNIX as u64)]][..])
+    );
+    assert!(!ThreadKind::Vcpu.allows(libc::SYS_socket));
+    assert!(!ThreadKind::Signal.allows(libc::SYS_socket));
+}
+
+#[test]
+fn memory_can_never_be_made_executable() {
+    for kind in ThreadKind::ALL {
+        let list = kind.allowlist();
+        for nr in [libc::SYS_mmap, libc::SYS_mprotect] {
+            assert_eq!(
+                list.rules_of(nr),
+                Some(&[vec![Arg::Clear(2, libc::PROT_EXEC as u64)]][..]),
+                "{kind}: syscall {nr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_conditional_rule_never_narrows_an_unconditional_one() {
+    let mut list = rules::Allowlist::default();
+
+    list.allow(&[libc::SYS_read])
+        .allow_if(libc::SYS_read, &[Arg::Eq(0, 3)]);
+
+    assert_eq!(list.rules_of(libc::SYS_read), Some(&[][..]));
+}
+
+#[test]
+fn a_rule_given_twice_is_kept_once() {
+    let mut list = rules::Allowlist::default();
+
+    list.allow_values(libc::SYS_fcntl, 1, &[1, 2])
+        .allow_values(libc::SYS_fcntl, 1, &[1]);
+
+    assert_eq!(
+        list.rules_of(libc::SYS_fcntl),
+        Some(&[vec![Arg::Eq(1, 1)], vec![Arg::Eq(1, 2)]][..])
+    );
+}
+
+#[test]
+fn modes_parse_and_print_as_on_off_log() {
+    for (text, mode) in [
+        ("on", SeccompMode::On),
+        ("off", SeccompMode::Off),
+        ("log", SeccompMode::Log),
+    ] {
+        assert_eq!(text.parse::<SeccompMode>().unwrap(), mode);
+        assert_eq!(mode.to_string(), text);
+    }
+    let err = "trap".parse::<SeccompMode>().unwrap_err();
+    assert!(err.to_string().contains("`trap`"), "{err}");
+}
+
+#[test]
+fn disabled_filters_install_nothing() {
+    let filters = ThreadFilters::disabled();
+
+    std::thread::spawn(move || {
+        filters.install(ThreadKind::Vcpu).unwrap();
+        let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+        assert!(status.contains("Seccomp:\t0"), "{status}");
+    })
+    .join()
+    .unwrap();
+}
