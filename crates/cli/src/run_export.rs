@@ -33,10 +33,13 @@ pub fn target(
         (None, None) => return Ok(None),
     };
     match workspace {
-        Some(ws) if ws.mode == WorkspaceMode::Clone => Ok(Some(ExportTarget {
-            format,
-            path: path.to_owned(),
-        })),
+        Some(ws) if ws.mode == WorkspaceMode::Clone => {
+            check_parent(path)?;
+            Ok(Some(ExportTarget {
+                format,
+                path: path.to_owned(),
+            }))
+        }
         Some(ws) => Err(format!(
             "--export-{} needs a clone workspace (--workspace {}:clone): a direct workspace's \
              changes are already in the directory",
@@ -47,6 +50,24 @@ pub fn target(
             "--export-{} needs --workspace DIR:clone",
             format_name(format)
         )),
+    }
+}
+
+/// Fails unless `path`'s directory exists, so a typo is reported before the sandbox boots
+/// rather than after the command ran (when its changes would be lost with the VM).
+fn check_parent(path: &Path) -> Result<(), String> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if parent.is_dir() {
+        Ok(())
+    } else {
+        Err(format!(
+            "cannot write the export to {}: {} is not a directory",
+            path.display(),
+            parent.display()
+        ))
     }
 }
 
@@ -130,5 +151,25 @@ mod tests {
             .unwrap_err()
             .contains("--export-tar needs --workspace DIR:clone"));
         assert_eq!(not_asked.unwrap(), None);
+    }
+
+    #[test]
+    fn an_export_into_a_missing_directory_is_refused_before_the_boot() {
+        // Arrange
+        let clone = ws(WorkspaceMode::Clone);
+
+        // Act
+        let missing = target(
+            Some(Path::new("/nonexistent-dir/p.patch")),
+            None,
+            Some(&clone),
+        );
+        let here = target(Some(Path::new("p.patch")), None, Some(&clone));
+
+        // Assert
+        assert!(missing
+            .unwrap_err()
+            .contains("/nonexistent-dir is not a directory"));
+        assert!(here.unwrap().is_some());
     }
 }
