@@ -45,15 +45,12 @@
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
-use bulkhead_protocol::client::ExecOutput;
-use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig};
-use bulkhead_tests::artifacts;
 use bulkhead_tests::bench::{
     env_count, print_table, uptime_elapsed, write_json, write_random_file, Row, Unit,
 };
+use bulkhead_tests::{run_sh, sandbox_config};
 
 /// Size of the file read, MiB (`dd bs=1M` reads it in this many records).
 const FILE_MIB: u64 = 256;
@@ -132,15 +129,10 @@ fn bench() {
 }
 
 fn config(share: Mount) -> SandboxConfig {
-    let a = artifacts();
     SandboxConfig {
-        kernel: a.vmlinux.clone(),
-        initrd: a.agent_initrd.clone(),
-        vmm_binary: a.vmm.clone(),
         memory_mib: GUEST_MIB,
-        ready_timeout: Duration::from_secs(300),
         mounts: vec![share],
-        ..SandboxConfig::default()
+        ..sandbox_config()
     }
 }
 
@@ -268,12 +260,4 @@ fn drop_page_cache(note: &mut Option<String>) {
     if let Err(e) = fs::write("/proc/sys/vm/drop_caches", "3") {
         note.get_or_insert(e.to_string());
     }
-}
-
-fn run_sh(sandbox: &Sandbox, script: &str) -> ExecOutput {
-    sandbox
-        .exec(&ExecRequest::new(["sh", "-c", script]))
-        .expect("exec")
-        .wait_with_output()
-        .expect("output")
 }

@@ -35,15 +35,12 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
-use bulkhead_protocol::client::ExecOutput;
-use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
 use bulkhead_tests::bench::{
     env_count, print_table, uptime_elapsed, write_json, write_random_file, Row, Unit,
 };
-use bulkhead_tests::{artifacts, scratch_dir};
+use bulkhead_tests::{artifacts, run_sh, sandbox_config, scratch_dir};
 use bulkhead_vmm::config::DiskConfig;
 
 /// Size of the data disk, MiB (`dd bs=1M` reads it in this many records).
@@ -80,14 +77,9 @@ fn bench() {
 }
 
 fn config() -> SandboxConfig {
-    let a = artifacts();
     SandboxConfig {
-        kernel: a.vmlinux.clone(),
-        initrd: a.agent_initrd.clone(),
-        vmm_binary: a.vmm.clone(),
         memory_mib: GUEST_MIB,
-        ready_timeout: Duration::from_secs(300),
-        ..SandboxConfig::default()
+        ..sandbox_config()
     }
 }
 
@@ -209,12 +201,4 @@ fn parse_read(out: &str) -> Result<f64, String> {
     }
     let seconds = uptime_elapsed(out)?;
     Ok(DISK_MIB as f64 / seconds)
-}
-
-fn run_sh(sandbox: &Sandbox, script: &str) -> ExecOutput {
-    sandbox
-        .exec(&ExecRequest::new(["sh", "-c", script]))
-        .expect("exec")
-        .wait_with_output()
-        .expect("output")
 }

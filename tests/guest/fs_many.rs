@@ -4,11 +4,10 @@
 
 use std::fs::{self, File};
 use std::path::PathBuf;
-use std::time::Duration;
 
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig};
-use bulkhead_tests::{artifacts, guest_test};
+use bulkhead_tests::{guest_test, sandbox_config};
 
 /// Directories and files per directory of the shared tree: 3,000 files, three times the
 /// usual soft limit of 1,024 descriptors.
@@ -41,18 +40,13 @@ guest_test!(
             }
         }
         lower_soft_open_files_limit(LOGIN_SOFT_LIMIT);
-        let a = artifacts();
         let config = SandboxConfig {
-            kernel: a.vmlinux.clone(),
-            initrd: a.agent_initrd.clone(),
-            vmm_binary: a.vmm.clone(),
-            ready_timeout: Duration::from_secs(300),
             mounts: vec![Mount {
                 host: share.path().to_owned(),
                 guest: PathBuf::from("/mnt/many"),
                 read_only: true,
             }],
-            ..SandboxConfig::default()
+            ..sandbox_config()
         };
         let sandbox = Sandbox::start(&config).expect("sandbox start");
 

@@ -13,10 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use bulkhead_protocol::client::ExecOutput;
-use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
-use bulkhead_tests::{artifacts, describe, in_vm_host, sha256_hex, socket_dir};
+use bulkhead_tests::{artifacts, describe, in_vm_host, run_sh, sha256_hex, socket_dir};
 use bulkhead_vmm::config::DiskConfig;
 
 /// A guest test that needs the Debian image (and a `mkfs.ext4` for scratch disks inside the test
@@ -62,14 +60,6 @@ fn on_image(scratch_mib: Option<u64>, data_disks: Vec<DiskConfig>) -> Storage {
         scratch_mib,
         data_disks,
     }
-}
-
-fn run_sh(sandbox: &Sandbox, script: &str) -> ExecOutput {
-    sandbox
-        .exec(&ExecRequest::new(["sh", "-c", script]))
-        .expect("exec")
-        .wait_with_output()
-        .expect("output")
 }
 
 fn text(bytes: &[u8]) -> String {

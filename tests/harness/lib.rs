@@ -335,3 +335,32 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     let digest = sha2::Sha256::digest(bytes);
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// A sandbox of the test kernel, the agent test image and the `bulkhead-vmm` under test, with
+/// 300 s for the agent to come up (nested boots under load are slow); other fields default.
+/// Callers set memory, mounts, storage... with struct update syntax.
+pub fn sandbox_config() -> bulkhead_sandbox::SandboxConfig {
+    let a = artifacts();
+    bulkhead_sandbox::SandboxConfig {
+        kernel: a.vmlinux.clone(),
+        initrd: a.agent_initrd.clone(),
+        vmm_binary: a.vmm.clone(),
+        ready_timeout: Duration::from_secs(300),
+        ..bulkhead_sandbox::SandboxConfig::default()
+    }
+}
+
+/// Runs `sh -c script` in the guest and waits for its whole output.
+///
+/// # Panics
+/// When the exec cannot be started or its output cannot be read.
+pub fn run_sh(
+    sandbox: &bulkhead_sandbox::Sandbox,
+    script: &str,
+) -> bulkhead_protocol::client::ExecOutput {
+    sandbox
+        .exec(&bulkhead_protocol::ExecRequest::new(["sh", "-c", script]))
+        .expect("exec")
+        .wait_with_output()
+        .expect("output")
+}
