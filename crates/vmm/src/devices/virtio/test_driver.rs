@@ -207,6 +207,23 @@ impl TestQueue {
         self.avail + 2
     }
 
+    /// Sets the avail ring's `used_event` (VIRTIO_RING_F_EVENT_IDX, virtio 1.2 §2.7.10): the
+    /// driver wants an interrupt once the used index passes it.
+    pub fn set_used_event(&self, idx: u16) {
+        let at = self.avail + 4 + 2 * u64::from(self.size);
+        self.mem.write_obj(idx, GuestAddress(at)).unwrap();
+    }
+
+    /// The used ring's `idx`: how many chains the device has used in all (wrapping).
+    pub fn used_idx(&self) -> u16 {
+        self.mem.read_obj(GuestAddress(self.used + 2)).unwrap()
+    }
+
+    /// The used ring's `flags` (VRING_USED_F_NO_NOTIFY while the device suppresses kicks).
+    pub fn used_flags(&self) -> u16 {
+        self.mem.read_obj(GuestAddress(self.used)).unwrap()
+    }
+
     /// Reads `len` bytes of guest memory at `addr`.
     pub fn read(&self, addr: u64, len: usize) -> Vec<u8> {
         let mut buf = vec![0u8; len];

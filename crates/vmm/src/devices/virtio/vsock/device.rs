@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use event_manager::{EventOps, EventSet, Events};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use virtio_vsock::packet::VsockPacket;
 use vm_memory::bitmap::BitmapSlice;
@@ -284,27 +285,68 @@ impl Vsock {
     }
 
     /// Takes guest packets off the TX queue and puts host packets on the RX queue until neither
-    /// can make progress, then interrupts the guest if any buffer was used.
+    /// can make progress, then interrupts the guest if a queue it used asks for it.
+    ///
+    /// TX notifications (the guest's MMIO writes to QueueNotify, each a vCPU exit) stay
+    /// suppressed while the device drains the queue; after re-enabling them it looks once more,
+    /// so a packet added in between is not left waiting for a kick. The interrupt follows the
+    /// driver's suppression: VRING_AVAIL_F_NO_INTERRUPT, or with VIRTIO_RING_F_EVENT_IDX the
+    /// used_event index (virtio 1.2 §2.7.10).
     fn process_queues(&mut self) {
         let Some(active) = self.active.as_mut() else {
             return;
         };
-        let mut any_used = false;
+        let (mut tx_used, mut rx_used) = (false, false);
         loop {
+            set_tx_notifications(active, false);
             let tx = drain_tx(active, &mut self.muxer);
-            let rx_used = fill_rx(active, &mut self.muxer);
-            any_used |= tx.used || rx_used;
-            // TX stops early when too many RSTs wait for RX buffers; go on only if RX made room.
-            if !tx.paused || !rx_used {
+            let rx = fill_rx(active, &mut self.muxer);
+            tx_used |= tx.used;
+            rx_used |= rx;
+            if tx.paused {
+                // TX stopped because too many RSTs wait for RX buffers: go on only if RX made
+                // room; the chains left over keep the guest's kicks coming.
+                set_tx_notifications(active, true);
+                if rx {
+                    continue;
+                }
+                break;
+            }
+            // More TX chains arrived while notifications were off. Without progress in this
+            // round it is an avail index the queue refuses, and looping would spin.
+            if !set_tx_notifications(active, true) || !tx.used {
                 break;
             }
         }
-        if any_used {
+        let mut wants = |index: usize| {
+            active.queues[index]
+                .needs_notification(&active.mem)
+                .unwrap_or(true)
+        };
+        // Both queues' used rings must be checked (each call records what was signalled).
+        let tx_wants = tx_used && wants(TXQ_INDEX);
+        let rx_wants = rx_used && wants(RXQ_INDEX);
+        if tx_wants || rx_wants {
             if let Err(e) = active.interrupt.signal_used_queue() {
                 tracing::error!("vsock: cannot interrupt the guest: {e}");
             }
         }
     }
+}
+
+/// Turns the driver's TX notifications off or on; when turning them on, whether more chains are
+/// already available (so the caller must look again).
+fn set_tx_notifications(active: &mut Active, enable: bool) -> bool {
+    let queue = &mut active.queues[TXQ_INDEX];
+    let result = if enable {
+        queue.enable_notification(&active.mem)
+    } else {
+        queue.disable_notification(&active.mem).map(|()| false)
+    };
+    result.unwrap_or_else(|e| {
+        tracing::warn!("vsock: cannot change TX notification suppression: {e}");
+        false
+    })
 }
 
 /// Result of draining the TX queue.
@@ -403,10 +445,11 @@ impl VirtioDevice for Vsock {
         &VSOCK_QUEUE_SIZES
     }
 
-    /// Only VIRTIO_F_VERSION_1: stream sockets are implied when no socket-type feature is
-    /// negotiated (virtio 1.2 §5.10.3).
+    /// VIRTIO_F_VERSION_1 and VIRTIO_RING_F_EVENT_IDX (fewer notifications and interrupts,
+    /// virtio 1.2 §2.7.10). Stream sockets are implied when no socket-type feature is negotiated
+    /// (§5.10.3).
     fn avail_features(&self) -> u64 {
-        1 << VIRTIO_F_VERSION_1
+        1 << VIRTIO_F_VERSION_1 | 1 << VIRTIO_RING_F_EVENT_IDX
     }
 
     fn set_acked_features(&mut self, acked: u64) {

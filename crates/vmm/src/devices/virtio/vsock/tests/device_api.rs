@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
@@ -69,7 +70,10 @@ fn identity_features_and_queue_sizes() {
     assert_eq!(dev.device_type(), 19);
     assert_eq!(dev.queue_max_sizes(), &VSOCK_QUEUE_SIZES);
     assert_eq!(dev.queue_max_sizes().len(), 3);
-    assert_eq!(dev.avail_features(), 1 << VIRTIO_F_VERSION_1);
+    assert_eq!(
+        dev.avail_features(),
+        1 << VIRTIO_F_VERSION_1 | 1 << VIRTIO_RING_F_EVENT_IDX
+    );
     assert!(!dev.reset(), "driver reset is not supported");
 }
 

@@ -12,6 +12,7 @@ mod flow_control;
 mod guest_initiated;
 mod host_initiated;
 mod hostile;
+mod notifications;
 
 use std::io::{self, Read};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -20,6 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, SubscriberOps};
+use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -62,6 +64,9 @@ pub struct Harness {
     pub rx: TestQueue,
     pub tx: TestQueue,
     kicks: Vec<EventFd>,
+    /// The device's interrupt eventfd (the irqfd a VMM registers): its counter is the number of
+    /// interrupts since the last [`Harness::take_interrupts`].
+    irq: EventFd,
     /// Whether [`Harness::recv`] replaces the RX buffers it takes back.
     pub repost_rx: bool,
     /// Every TX chain the device returned, in order.
@@ -80,6 +85,17 @@ impl Harness {
 
     /// An activated device with `rx_chains` RX buffers posted (and not yet noticed).
     pub fn with_rx_buffers(rx_chains: usize) -> Self {
+        Harness::activated(rx_chains, false)
+    }
+
+    /// As [`Harness::new`], with VIRTIO_RING_F_EVENT_IDX negotiated (as Linux does).
+    pub fn with_event_idx() -> Self {
+        let mut h = Harness::activated(RX_CHAINS, true);
+        h.settle();
+        h
+    }
+
+    fn activated(rx_chains: usize, event_idx: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let uds = dir.path().join("v.sock");
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x200_0000)]).unwrap();
@@ -92,14 +108,19 @@ impl Harness {
         let kicks: Vec<EventFd> = (0..3)
             .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
             .collect();
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let ctx = ActivateContext {
             mem,
             queues: [&rx, &tx, &ev]
                 .iter()
-                .map(|q| q.device_queue(VSOCK_QUEUE_SIZES[0]))
+                .map(|q| {
+                    let mut queue = q.device_queue(VSOCK_QUEUE_SIZES[0]);
+                    queue.set_event_idx(event_idx);
+                    queue
+                })
                 .collect(),
             queue_evts: kicks.iter().map(|k| k.try_clone().unwrap()).collect(),
-            interrupt: Arc::new(IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap())),
+            interrupt: Arc::new(IrqTrigger::new(irq.try_clone().unwrap())),
         };
         dev.lock().unwrap().activate(ctx).unwrap();
         let mut h = Harness {
@@ -110,6 +131,7 @@ impl Harness {
             rx,
             tx,
             kicks,
+            irq,
             repost_rx: true,
             tx_used: Vec::new(),
             rx_short: Vec::new(),
@@ -132,6 +154,11 @@ impl Harness {
             }
         }
         panic!("the event loop never went idle: some fd stays ready");
+    }
+
+    /// Interrupts the device raised since the last call (reads and resets the eventfd counter).
+    pub fn take_interrupts(&mut self) -> u64 {
+        self.irq.read().unwrap_or(0)
     }
 
     /// Signals queue `index` to the device (QueueNotify) and runs the loop.
