@@ -138,9 +138,10 @@ impl SandboxState {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Failure {
     /// Short machine-readable reason: `start_failed`, `guest_shutdown`, `vmm_error`,
-    /// `guest_crash`, `killed`, `vanished`.
+    /// `guest_crash`, `seccomp_violation`, `killed`, `vanished`.
     pub reason: String,
-    /// Human-readable detail (the VMM's exit status or the start error).
+    /// Human-readable detail (the VMM's exit status or the start error; for
+    /// `seccomp_violation`, the blocked system call's number and thread kind).
     pub message: String,
     /// The last lines of the VMM's output (its messages and the guest's serial console).
     pub log_tail: String,

@@ -6,10 +6,11 @@
 //! | `bulkhead_sandbox_create_seconds` | histogram | — (successful creates: request to agent ready) |
 //! | `bulkhead_sandbox_create_failures_total` | counter | — |
 //! | `bulkhead_execs_total` | counter | `result` (started, failed) |
-//! | `bulkhead_vm_exits_total` | counter | `reason` (destroyed, guest_shutdown, vmm_error, guest_crash, killed, vanished) |
+//! | `bulkhead_vm_exits_total` | counter | `reason` (destroyed, guest_shutdown, vmm_error, guest_crash, seccomp_violation, killed, vanished) |
 //!
 //! VM exit reasons come from the VMM's exit status (`bulkhead-vmm` exits 0 when the guest
-//! reboots or powers off, 1 on a VMM error, 3 when the guest crashed) or the signal that killed
+//! reboots or powers off, 1 on a VMM error, 3 when the guest crashed, 4 when its seccomp filter
+//! blocked a system call) or the signal that killed
 //! it; an adopted VMM's status is unknown to the daemon (`vanished`).
 
 use std::sync::Mutex;

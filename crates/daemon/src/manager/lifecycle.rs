@@ -12,7 +12,9 @@ use tokio::io::Interest;
 
 use super::images::remove_scratch;
 use super::plan::VmPlan;
-use super::{exit_reason, failure, info_of, procs, Entry, EntryInner, Manager, ManagerError};
+use super::{
+    exit_message, exit_reason, failure, info_of, procs, Entry, EntryInner, Manager, ManagerError,
+};
 use crate::cgroup::{CgroupManager, CgroupSpec, VmCgroup};
 use crate::store::{Phase, Record, Store};
 use crate::util;
@@ -123,6 +125,7 @@ impl Manager {
             cgroup_procs: Vec::new(),
             mounts: plan.mounts.clone(),
             workspace: plan.workspace.clone(),
+            jail: true,
         }
     }
 
@@ -204,11 +207,8 @@ impl Manager {
             };
             let reason = exit_reason(exit);
             let runtime_dir = inner.record.sandbox.as_ref().map(|s| s.runtime_dir.clone());
-            let fail = failure(
-                reason,
-                format!("the VMM ended: {exit}"),
-                runtime_dir.as_deref(),
-            );
+            let mut fail = failure(reason, String::new(), runtime_dir.as_deref());
+            fail.message = exit_message(exit, &fail.log_tail);
             tracing::warn!(id = %entry.id, "VM ended ({reason}): {}", fail.message);
             self.inner.metrics.vm_exit(reason);
             // The runtime dir (with vmm.log) stays until DELETE, which removes it by path.

@@ -345,15 +345,37 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
 }
 
 /// The `reason` of a VMM that ended by itself, from its exit status (`bulkhead-vmm`: 0 guest
-/// reboot/power-off, 3 guest crash or fatal VM error, other codes VMM errors).
+/// reboot/power-off, 3 guest crash or fatal VM error, 4 a system call its seccomp filter
+/// blocked, other codes VMM errors).
 fn exit_reason(exit: bulkhead_sandbox::VmmExit) -> &'static str {
     use bulkhead_sandbox::VmmExit;
     match exit {
         VmmExit::Code(0) => "guest_shutdown",
         VmmExit::Code(3) => "guest_crash",
+        VmmExit::Code(4) => "seccomp_violation",
         VmmExit::Code(_) => "vmm_error",
         VmmExit::Signal(_) => "killed",
         VmmExit::Unknown => "vanished",
+    }
+}
+
+/// What `bulkhead-vmm` prints before a seccomp kill (`bulkhead_vmm::seccomp`), followed by
+/// `<syscall number> (<thread kind>)`.
+const SECCOMP_LINE: &str = "bulkhead-vmm: seccomp: blocked syscall ";
+
+/// The failure message of a VMM that ended by itself: its exit status and, for a seccomp kill,
+/// the blocked system call's number and thread kind as the VMM logged them, e.g. `the VMM ended:
+/// exit code 4: its seccomp filter blocked syscall 41 (vcpu)`.
+fn exit_message(exit: bulkhead_sandbox::VmmExit, log_tail: &str) -> String {
+    let blocked = log_tail
+        .lines()
+        .rev()
+        .find_map(|line| line.split_once(SECCOMP_LINE).map(|(_, rest)| rest.trim()));
+    match (exit, blocked) {
+        (bulkhead_sandbox::VmmExit::Code(4), Some(call)) => {
+            format!("the VMM ended: {exit}: its seccomp filter blocked syscall {call}")
+        }
+        _ => format!("the VMM ended: {exit}"),
     }
 }
 
@@ -367,5 +389,36 @@ fn failure(reason: &str, message: String, runtime_dir: Option<&std::path::Path>)
         log_tail: runtime_dir
             .map(|d| util::tail_lines(&d.join("vmm.log"), FAILURE_LOG_LINES))
             .unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bulkhead_sandbox::VmmExit;
+
+    use super::{exit_message, exit_reason};
+
+    #[test]
+    fn a_seccomp_kill_is_reported_with_the_blocked_syscall() {
+        let log = "guest console line\nbulkhead-vmm: seccomp: blocked syscall 41 (vcpu)\n";
+
+        let reason = exit_reason(VmmExit::Code(4));
+        let message = exit_message(VmmExit::Code(4), log);
+
+        assert_eq!(reason, "seccomp_violation");
+        assert_eq!(
+            message,
+            "the VMM ended: exit code 4: its seccomp filter blocked syscall 41 (vcpu)"
+        );
+    }
+
+    #[test]
+    fn other_exits_are_reported_with_their_status_only() {
+        let log = "bulkhead-vmm: seccomp: blocked syscall 41 (vcpu)\n";
+
+        let message = exit_message(VmmExit::Code(3), log);
+
+        assert_eq!(exit_reason(VmmExit::Code(3)), "guest_crash");
+        assert_eq!(message, "the VMM ended: exit code 3");
     }
 }
