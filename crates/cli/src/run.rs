@@ -155,6 +155,16 @@ fn explain_vm_end(sandbox: &mut Sandbox, message: String) -> String {
         Ok(Some(status)) if status.code() == Some(3) => {
             format!("{message}: the guest crashed (a kernel panic or triple fault)")
         }
+        Ok(Some(status)) if status.code() == Some(4) => {
+            let call = sandbox
+                .log_tail(20)
+                .lines()
+                .rev()
+                .find(|l| l.contains("seccomp: blocked syscall"))
+                .map(|l| format!(" ({})", l.trim()))
+                .unwrap_or_default();
+            format!("{message}: the VMM's seccomp filter blocked a system call{call}")
+        }
         Ok(Some(status)) if status.success() => format!("{message}: the guest shut itself down"),
         Ok(Some(status)) => format!("{message}: the VMM ended ({status})"),
         _ => message,
