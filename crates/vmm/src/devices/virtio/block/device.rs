@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use event_manager::{EventOps, EventSet, Events};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
@@ -296,9 +297,11 @@ impl VirtioDevice for Block {
         &BLOCK_QUEUE_SIZES
     }
 
-    /// VERSION_1, SEG_MAX, BLK_SIZE, FLUSH, and RO for a read-only disk (virtio 1.2 §5.2.3).
+    /// VERSION_1, RING_EVENT_IDX (§2.7.10), SEG_MAX, BLK_SIZE, FLUSH, and RO for a read-only
+    /// disk (virtio 1.2 §5.2.3).
     fn avail_features(&self) -> u64 {
         let mut features = 1 << VIRTIO_F_VERSION_1
+            | 1 << VIRTIO_RING_F_EVENT_IDX
             | 1 << VIRTIO_BLK_F_SEG_MAX
             | 1 << VIRTIO_BLK_F_BLK_SIZE
             | 1 << VIRTIO_BLK_F_FLUSH;

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use event_manager::{EventOps, EventSet, Events};
 use fuse_backend_rs::api::server::Server;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
@@ -278,9 +279,10 @@ impl VirtioDevice for Fs {
         &FS_QUEUE_SIZES
     }
 
-    /// VERSION_1 only: no notification queue (VIRTIO_FS_F_NOTIFICATION), no DAX window.
+    /// VERSION_1 and RING_EVENT_IDX (virtio 1.2 §2.7.10); no notification queue
+    /// (VIRTIO_FS_F_NOTIFICATION), no DAX window.
     fn avail_features(&self) -> u64 {
-        1 << VIRTIO_F_VERSION_1
+        1 << VIRTIO_F_VERSION_1 | 1 << VIRTIO_RING_F_EVENT_IDX
     }
 
     fn set_acked_features(&mut self, acked: u64) {

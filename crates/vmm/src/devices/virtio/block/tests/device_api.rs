@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventManager, SubscriberOps};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -21,6 +22,7 @@ use crate::devices::virtio::{
 };
 
 const BASE_FEATURES: u64 = 1 << VIRTIO_F_VERSION_1
+    | 1 << VIRTIO_RING_F_EVENT_IDX
     | 1 << VIRTIO_BLK_F_SEG_MAX
     | 1 << VIRTIO_BLK_F_BLK_SIZE
     | 1 << VIRTIO_BLK_F_FLUSH;

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -39,7 +40,10 @@ fn the_device_is_a_version_1_file_system_with_two_queues() {
     assert_eq!(dev.device_type(), device_type::FS);
     assert_eq!(dev.device_type(), 26);
     assert_eq!(dev.queue_max_sizes(), &FS_QUEUE_SIZES);
-    assert_eq!(dev.avail_features(), 1 << VIRTIO_F_VERSION_1);
+    assert_eq!(
+        dev.avail_features(),
+        1 << VIRTIO_F_VERSION_1 | 1 << VIRTIO_RING_F_EVENT_IDX
+    );
     assert!(dev.is_activated());
 }
 
@@ -152,5 +156,8 @@ fn acked_features_are_limited_to_the_offered_ones() {
 
     h.dev().set_acked_features(u64::MAX);
 
-    assert_eq!(h.dev().acked_features(), 1 << VIRTIO_F_VERSION_1);
+    assert_eq!(
+        h.dev().acked_features(),
+        1 << VIRTIO_F_VERSION_1 | 1 << VIRTIO_RING_F_EVENT_IDX
+    );
 }
