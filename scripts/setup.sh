@@ -39,6 +39,7 @@ fi
 command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)" >&2; exit 1; }
 log "Rust targets (rust-toolchain.toml)"
 rustup target add x86_64-unknown-linux-musl >/dev/null 2>&1 || rustup target add x86_64-unknown-linux-musl
+rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1 || rustup target add aarch64-unknown-linux-gnu
 
 log "guest kernel (cached after the first build)"
 scripts/build-kernel.sh --arch x86_64 >/dev/null

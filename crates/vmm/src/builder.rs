@@ -10,18 +10,15 @@ use std::time::Instant;
 
 use event_manager::{MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::VcpuFd;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch;
 use crate::boot;
 use crate::config::{DiskConfig, SerialOutput, ShareConfig, VmConfig};
-use crate::device_manager::{self, MmioDeviceManager};
+use crate::device_manager::{self, MmioDeviceManager, MmioSlot};
 use crate::devices::bus::{self, Bus};
-use crate::devices::legacy::debugcon::{DebugCon, DEBUGCON_PORT};
-use crate::devices::legacy::i8042::{I8042, I8042_KBD_IRQ, I8042_PORT, I8042_PORT_COUNT};
-use crate::devices::legacy::serial::{self, SerialDevice, COM1_IRQ, COM1_PORT, COM1_PORT_COUNT};
-use crate::devices::legacy::EventFdTrigger;
+use crate::devices::legacy::serial;
 use crate::devices::virtio::block::{self, Block, BlockConfig};
 use crate::devices::virtio::fs::{self, Fs, FsConfig};
 use crate::devices::virtio::vsock::{self, Vsock};
@@ -78,9 +75,6 @@ pub enum Error {
         /// The KVM error.
         source: kvm_ioctls::Error,
     },
-    /// KVM_GET_SUPPORTED_CPUID failed.
-    #[error("cannot read the CPUID KVM supports: {0}")]
-    SupportedCpuid(kvm_ioctls::Error),
     /// An eventfd could not be created.
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
@@ -148,6 +142,12 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
     let vm = vm::Vm::new(&kvm, &guest_memory)?;
     timeline.vm_created = Some(Instant::now());
     let step = Instant::now();
+    // vCPUs and the interrupt controller exist before any device wires an irqfd (arm64 KVM
+    // refuses irqfds until its GIC, which needs every vCPU, is initialised).
+    let vcpu_fds = create_vcpus(&vm, config.vcpus)?;
+    arch::setup_irqchip(vm.fd(), &vcpu_fds)?;
+    tracing::debug!(ms = ms_since(step), vcpus = config.vcpus, "vCPUs created");
+    let step = Instant::now();
 
     let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
     let mut event_manager = EventLoop::new().map_err(|e| Error::EventLoop(e.to_string()))?;
@@ -156,6 +156,7 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
         mem: &guest_memory,
         mmio: Bus::default(),
         devices: MmioDeviceManager::default(),
+        slots: Vec::new(),
         event_manager: &mut event_manager,
     };
     if let Some(vsock) = &config.vsock {
@@ -167,20 +168,36 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
     for share in &config.shares {
         virtio.attach(Fs::new(fs_config(share))?)?;
     }
-    let VirtioContext { mmio, devices, .. } = virtio;
+    let VirtioContext {
+        mut mmio,
+        devices,
+        slots,
+        ..
+    } = virtio;
     tracing::debug!(ms = ms_since(step), "virtio devices created");
     let step = Instant::now();
-    let entry = load_payload(config, &guest_memory, devices.cmdline_params())?;
+    // x86_64 guests learn of virtio-mmio devices from the command line, arm64 ones from the
+    // device tree (where the interrupt is a GIC SPI, not a Linux IRQ number).
+    let device_params = if arch::VIRTIO_MMIO_ON_CMDLINE {
+        devices.cmdline_params()
+    } else {
+        &[]
+    };
+    let boot_state = load_payload(config, &guest_memory, device_params, &slots)?;
     tracing::debug!(
         ms = ms_since(step),
         "kernel, initramfs and boot structures loaded"
     );
     let step = Instant::now();
-    let vcpu_fds = create_vcpus(&kvm, &vm, &guest_memory, config.vcpus, entry)?;
-    tracing::debug!(ms = ms_since(step), vcpus = config.vcpus, "vCPUs created");
+    arch::setup_vcpus(kvm.kvm(), vm.fd(), &vcpu_fds, &boot_state, &guest_memory)?;
+    tracing::debug!(
+        ms = ms_since(step),
+        vcpus = config.vcpus,
+        "vCPUs configured"
+    );
     timeline.payload_loaded = Some(Instant::now());
 
-    let legacy = legacy_devices(config, &vm)?;
+    let legacy = arch::legacy_devices(config, &vm, &mut mmio)?;
     let pio = Arc::new(legacy.pio);
     let mmio = Arc::new(mmio);
     let vcpus = vcpu_fds
@@ -222,14 +239,16 @@ fn check_readable(what: &'static str, path: &Path) -> Result<(), Error> {
     }
 }
 
-/// Loads kernel, initramfs and command line, writes the boot structures; returns the kernel entry.
+/// Loads kernel and initramfs, builds the command line, writes the boot structures; returns
+/// what the vCPUs start from.
 fn load_payload(
     config: &VmConfig,
     mem: &GuestMemoryMmap,
     device_params: &[String],
-) -> Result<GuestAddress, Error> {
+    devices: &[MmioSlot],
+) -> Result<arch::BootState, Error> {
     let step = Instant::now();
-    let kernel = boot::load_kernel(mem, &config.kernel)?;
+    let kernel = arch::load_kernel(mem, &config.kernel)?;
     tracing::debug!(ms = ms_since(step), "kernel loaded");
     let step = Instant::now();
     let initrd = match &config.initrd {
@@ -242,24 +261,24 @@ fn load_payload(
         .as_deref()
         .unwrap_or(boot::cmdline::DEFAULT_CMDLINE);
     let cmdline = boot::cmdline::build_cmdline(base, device_params)?;
-    let (cmdline_addr, cmdline_size) = boot::cmdline::load_cmdline(mem, &cmdline)?;
-    let info = arch::BootInfo {
-        cmdline_addr,
-        cmdline_size,
-        initrd: initrd.map(|i| (i.addr, i.size)),
-        setup_header: kernel.setup_header,
+    let boot_config = arch::BootConfig {
+        kernel: &kernel,
+        cmdline: &cmdline,
+        initrd,
+        vcpus: config.vcpus,
+        devices,
     };
-    arch::configure_system(mem, &info, config.vcpus)?;
-    Ok(kernel.entry)
+    Ok(arch::setup_boot(mem, &boot_config)?)
 }
 
 /// What placing a virtio device needs: the VM, guest memory, the MMIO bus being built, the
-/// address/IRQ allocator and the event loop.
+/// address/IRQ allocator, where each device went and the event loop.
 struct VirtioContext<'a> {
     vm: &'a vm::Vm,
     mem: &'a GuestMemoryMmap,
     mmio: Bus,
     devices: MmioDeviceManager,
+    slots: Vec<MmioSlot>,
     event_manager: &'a mut EventLoop,
 }
 
@@ -271,8 +290,10 @@ impl VirtioContext<'_> {
         D: VirtioDevice + MutEventSubscriber + 'static,
     {
         let device = Arc::new(Mutex::new(device));
-        self.devices
+        let slot = self
+            .devices
             .register(self.vm, self.mem, &mut self.mmio, device.clone())?;
+        self.slots.push(slot);
         self.event_manager.add_subscriber(device);
         Ok(())
     }
@@ -295,93 +316,34 @@ fn block_config(disk: &DiskConfig) -> BlockConfig {
     }
 }
 
-fn create_vcpus(
-    kvm: &KvmContext,
-    vm: &vm::Vm,
-    mem: &GuestMemoryMmap,
-    count: u8,
-    entry: GuestAddress,
-) -> Result<Vec<VcpuFd>, Error> {
-    let cpuid = kvm
-        .kvm()
-        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
-        .map_err(Error::SupportedCpuid)?;
+/// Creates vCPUs `0..count` (KVM_CREATE_VCPU); [`arch::setup_vcpus`] configures them later.
+fn create_vcpus(vm: &vm::Vm, count: u8) -> Result<Vec<VcpuFd>, Error> {
     (0..count)
         .map(|id| {
-            let fd = vm
-                .fd()
+            vm.fd()
                 .create_vcpu(u64::from(id))
-                .map_err(|source| Error::CreateVcpu { id, source })?;
-            arch::configure_vcpu(&fd, &cpuid, id, count, entry, mem)?;
-            Ok(fd)
+                .map_err(|source| Error::CreateVcpu { id, source })
         })
         .collect()
 }
 
-/// The port-I/O devices of a PC and the host-side ends of their signals.
-struct LegacyDevices {
-    pio: Bus,
-    /// Signalled by the i8042 when the guest asks for a CPU reset.
-    reset_evt: EventFd,
-    debug_first_write: Arc<OnceLock<Instant>>,
+/// The legacy devices (console, and on x86_64 the PC's port-I/O devices) and the host-side ends
+/// of their signals; made by [`arch::legacy_devices`].
+pub(crate) struct LegacyDevices {
+    /// The port-I/O bus (empty where the architecture has no port I/O).
+    pub(crate) pio: Bus,
+    /// Signalled by the i8042 when the guest asks for a CPU reset (never on aarch64, where
+    /// PSCI SYSTEM_RESET ends the VM through a vCPU exit).
+    pub(crate) reset_evt: EventFd,
+    /// When the guest first wrote to the debug port.
+    pub(crate) debug_first_write: Arc<OnceLock<Instant>>,
 }
 
-/// Puts the 8250 UART, the i8042 reset line and the debug port on a new port-I/O bus.
-fn legacy_devices(config: &VmConfig, vm: &vm::Vm) -> Result<LegacyDevices, Error> {
-    let mut pio = Bus::default();
-
-    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
-    let reset = reset_evt.try_clone().map_err(Error::EventFd)?;
-    let kbd_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
-    vm.register_irqfd(&kbd_irq, I8042_KBD_IRQ)?;
-    let i8042 = I8042::new(
-        EventFdTrigger::new(reset),
-        Some(EventFdTrigger::new(kbd_irq)),
-    );
-    pio.insert(I8042_PORT, I8042_PORT_COUNT, Arc::new(Mutex::new(i8042)))?;
-
-    let debugcon_sink = open_optional_file(config.debugcon.as_deref())?;
-    let debugcon = DebugCon::new(debugcon_sink);
-    let first_write = debugcon.first_write();
-    pio.insert(DEBUGCON_PORT, 1, Arc::new(Mutex::new(debugcon)))?;
-
-    let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
-    vm.register_irqfd(&irq, COM1_IRQ)?;
-    let sink = match serial_sink(&config.serial) {
-        Ok(sink) => sink,
-        Err(e) => {
-            remove_created(config.debugcon.as_deref());
-            return Err(e);
-        }
-    };
-    let uart = SerialDevice::new(EventFdTrigger::new(irq), sink);
-    pio.insert(COM1_PORT, COM1_PORT_COUNT, Arc::new(Mutex::new(uart)))?;
-    Ok(LegacyDevices {
-        pio,
-        reset_evt,
-        debug_first_write: first_write,
-    })
-}
-
-fn serial_sink(output: &SerialOutput) -> Result<Box<dyn Write + Send>, Error> {
+/// Where the serial console's output goes.
+pub(crate) fn serial_sink(output: &SerialOutput) -> Result<Box<dyn Write + Send>, Error> {
     Ok(match output {
         SerialOutput::Stdout => Box::new(std::io::stdout()),
         SerialOutput::Off => Box::new(std::io::sink()),
         SerialOutput::File(path) => serial::file_sink(path)?,
     })
-}
-
-fn open_optional_file(path: Option<&Path>) -> Result<Option<Box<dyn Write + Send>>, Error> {
-    let Some(path) = path else { return Ok(None) };
-    let file = std::fs::File::create(path).map_err(|source| Error::DebugCon {
-        path: path.to_owned(),
-        source,
-    })?;
-    Ok(Some(Box::new(file)))
-}
-
-fn remove_created(path: Option<&Path>) {
-    if let Some(path) = path {
-        let _ = std::fs::remove_file(path);
-    }
 }

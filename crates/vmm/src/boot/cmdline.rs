@@ -1,9 +1,14 @@
 //! The kernel command line: building it from parts and placing it in guest memory.
 
 use linux_loader::cmdline::Cmdline;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryError, GuestMemoryMmap};
+use vm_memory::GuestMemoryError;
+#[cfg(target_arch = "x86_64")]
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::arch::{CMDLINE_MAX_SIZE, CMDLINE_START};
+use crate::arch::CMDLINE_MAX_SIZE;
+// Only x86_64 guests read the command line from guest memory; arm64 ones from the device tree.
+#[cfg(target_arch = "x86_64")]
+use crate::arch::CMDLINE_START;
 
 /// Command line used when the user gives none: serial console on the first UART, reboot via
 /// the keyboard controller (the VMM turns it into a VM exit), reboot 1 s after a panic, no
@@ -100,6 +105,7 @@ fn join_parts(base: &str, extra: &[String]) -> Result<Cmdline, Error> {
     Ok(cmdline)
 }
 
+#[cfg(target_arch = "x86_64")]
 /// Writes `cmdline` with its terminating NUL at [`CMDLINE_START`]; returns that GPA and the
 /// size written in bytes (NUL included), as `BootInfo` wants them.
 pub fn load_cmdline(
@@ -109,6 +115,7 @@ pub fn load_cmdline(
     Ok(write_cmdline(mem, cmdline)?)
 }
 
+#[cfg(target_arch = "x86_64")]
 fn write_cmdline(mem: &GuestMemoryMmap, cmdline: &Cmdline) -> Result<(GuestAddress, usize), Error> {
     let text = cmdline.as_cstring().map_err(Error::Invalid)?;
     let bytes = text.as_bytes_with_nul();
@@ -196,6 +203,7 @@ mod tests {
         assert!(tab.to_string().contains("not printable ASCII"), "{tab}");
     }
 
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn loads_nul_terminated_at_the_cmdline_address() {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
@@ -209,6 +217,7 @@ mod tests {
         assert_eq!(buf, b"console=ttyS0\0");
     }
 
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn loading_without_memory_there_is_an_error() {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x1000)]).unwrap();

@@ -31,12 +31,17 @@
 
 pub mod cmdline;
 pub mod initrd;
+// The x86_64 kernel formats (ELF vmlinux, bzImage); arm64's `Image` loader is in `arch::aarch64`.
+#[cfg(target_arch = "x86_64")]
 pub mod kernel;
 
 use vm_memory::{GuestMemory, GuestMemoryMmap, GuestMemoryRegion};
 
-pub use cmdline::{build_cmdline, load_cmdline, DEFAULT_CMDLINE};
+#[cfg(target_arch = "x86_64")]
+pub use cmdline::load_cmdline;
+pub use cmdline::{build_cmdline, DEFAULT_CMDLINE};
 pub use initrd::{load_initrd, LoadedInitrd};
+#[cfg(target_arch = "x86_64")]
 pub use kernel::{detect_format, load_kernel, KernelFormat, LoadedKernel};
 pub use linux_loader::cmdline::Cmdline;
 
@@ -45,6 +50,7 @@ pub use linux_loader::cmdline::Cmdline;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Loading the kernel.
+    #[cfg(target_arch = "x86_64")]
     #[error(transparent)]
     Kernel(#[from] kernel::Error),
     /// Loading the initramfs.

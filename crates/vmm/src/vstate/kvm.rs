@@ -155,6 +155,7 @@ impl KvmContext {
 /// Capabilities bulkhead cannot run without. On x86_64 that includes the in-kernel LAPIC's
 /// TSC-deadline mode, which the vCPUs' CPUID advertises (see `arch::x86_64::cpuid`).
 fn required_caps() -> Vec<Cap> {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut caps = vec![Cap::UserMemory, Cap::Irqchip, Cap::Irqfd, Cap::Ioeventfd];
     #[cfg(target_arch = "x86_64")]
     caps.push(Cap::TscDeadlineTimer);

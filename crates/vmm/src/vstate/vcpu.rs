@@ -233,6 +233,7 @@ impl Vcpu {
 
     /// KVM_EXIT_SHUTDOWN: the guest triple-faulted. Logs the registers (on AMD SVM, KVM has already
     /// reset the vCPU by then, so they show the reset vector, not the fault).
+    #[cfg(target_arch = "x86_64")]
     fn log_shutdown(&self) {
         let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or_default();
         let (cr2, cr3) = self
@@ -244,6 +245,13 @@ impl Vcpu {
             "vCPU {}: KVM_EXIT_SHUTDOWN (triple fault): the guest crashed; rip {rip:#x}, cr2 {cr2:#x}, cr3 {cr3:#x}",
             self.id
         );
+    }
+
+    /// KVM_EXIT_SHUTDOWN outside x86_64 (arm64 KVM reports guest power-off and reset as
+    /// system events instead).
+    #[cfg(not(target_arch = "x86_64"))]
+    fn log_shutdown(&self) {
+        tracing::warn!("vCPU {}: KVM_EXIT_SHUTDOWN: the guest crashed", self.id);
     }
 
     /// `Exiting`: report the reason and wake the VMM.

@@ -90,6 +90,10 @@ pub const MMIO_GAP_SIZE: u64 = MMIO_GAP_END - MMIO_GAP_START;
 /// `MMIO_BASE + n * MMIO_DEVICE_SIZE`.
 pub const MMIO_BASE: u64 = MMIO_GAP_START;
 
+/// Whether virtio-mmio devices are announced on the kernel command line
+/// (`virtio_mmio.device=4K@GPA:IRQ`): x86_64 guests have no device tree to find them in.
+pub const VIRTIO_MMIO_ON_CMDLINE: bool = true;
+
 /// Size in bytes of the MMIO window of one virtio-mmio device (one 4 KiB page).
 pub const MMIO_DEVICE_SIZE: u64 = 0x1000;
 

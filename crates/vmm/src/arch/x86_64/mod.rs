@@ -11,10 +11,12 @@
 //! 4. After `KVM_CREATE_IRQCHIP` and `KVM_CREATE_VCPU`, [`configure_vcpu`] sets each vCPU's
 //!    CPUID, MSRs, registers, FPU and local APIC.
 
+pub mod boot;
 pub mod bootparams;
 pub mod cpuid;
 pub mod gdt;
 pub mod layout;
+mod legacy;
 pub mod memory;
 pub mod mptable;
 pub mod msr;
@@ -25,7 +27,9 @@ use kvm_bindings::CpuId;
 use kvm_ioctls::VcpuFd;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
+pub use boot::{load_kernel, setup_boot, setup_irqchip, setup_vcpus, BootState, LoadedKernel};
 pub use bootparams::BootInfo;
+pub(crate) use legacy::legacy_devices;
 pub use memory::{arch_memory_regions, initrd_load_addr, initrd_load_addr_below};
 
 /// Errors of the x86_64 boot set-up; each variant's message is its source's.
@@ -58,6 +62,12 @@ pub enum Error {
     /// Setting registers, FPU or LAPIC.
     #[error(transparent)]
     Regs(#[from] regs::Error),
+    /// Writing the command line into guest memory.
+    #[error(transparent)]
+    Cmdline(#[from] crate::boot::Error),
+    /// KVM_GET_SUPPORTED_CPUID failed.
+    #[error("cannot read the CPUID KVM supports: {0}")]
+    SupportedCpuid(kvm_ioctls::Error),
 }
 
 /// Writes `boot_params` (the zero page, with an e820 map built from `mem`'s regions: RAM below
