@@ -80,6 +80,11 @@ pub struct Fs {
     /// The notifications handed over by the latest activation, not yet watched.
     pending_queue_evts: Vec<EventFd>,
     active: Option<Active>,
+    /// The driver reset the device and the file server has not dropped the guest's node IDs and
+    /// handles yet. That happens on the event loop before it serves the next request, not in
+    /// [`VirtioDevice::reset`]: the reset runs on a vCPU thread, whose seccomp filter allows
+    /// none of the file-system calls it takes.
+    forget_pending: bool,
 }
 
 impl std::fmt::Debug for Fs {
@@ -117,6 +122,7 @@ impl Fs {
             queue_evts: Vec::new(),
             pending_queue_evts: Vec::new(),
             active: None,
+            forget_pending: false,
         })
     }
 
@@ -203,6 +209,9 @@ impl Fs {
     /// Notifications stay suppressed while the device drains the queue; after re-enabling them
     /// it looks once more, so a request added in between is not left waiting for a kick.
     fn process_queue(&mut self, index: usize) {
+        if std::mem::take(&mut self.forget_pending) {
+            self.fs.forget_all();
+        }
         let Some(active) = self.active.as_mut() else {
             return;
         };
@@ -321,15 +330,15 @@ impl VirtioDevice for Fs {
         self.activate_evt.write(1).map_err(ActivateError::Signal)
     }
 
-    /// Drops the queues and the guest memory handle, and forgets every node ID and file handle
-    /// the guest held (the driver starts over with FUSE_INIT). Requests are served synchronously,
-    /// so none is in flight. The watched queue notifications stay registered until the next
+    /// Drops the queues and the guest memory handle; every node ID and file handle the guest held
+    /// is forgotten before the next request is served (the driver starts over with FUSE_INIT).
+    /// Requests are served synchronously, so none is in flight. The watched queue notifications stay registered until the next
     /// activation replaces them (only the event loop may change registrations).
     fn reset(&mut self) -> bool {
         self.active = None;
         self.pending_queue_evts.clear();
         self.acked_features = 0;
-        self.fs.forget_all();
+        self.forget_pending = true;
         true
     }
 }
