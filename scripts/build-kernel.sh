@@ -279,7 +279,12 @@ install_file() {
     fi
     tmp="$dst.tmp.$$"
     ln -f "$src" "$tmp" 2>/dev/null || cp "$src" "$tmp"
-    mv -f "$tmp" "$dst"
+    # A concurrent run may have linked $dst to the same cache file since the check above; mv
+    # then refuses ("are the same file") and there is nothing left to do.
+    if ! mv -f "$tmp" "$dst" 2>/dev/null; then
+        rm -f "$tmp"
+        [[ "$src" -ef "$dst" ]] || cmp -s "$src" "$dst" || die "cannot install $dst"
+    fi
 }
 
 write_source_file() {

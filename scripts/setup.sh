@@ -26,6 +26,9 @@ SUDO=()
 # root file-system image, a C toolchain for -sys
 # crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps).
 PKGS=(qemu-system-x86 busybox-static cpio gzip gcc make util-linux e2fsprogs mmdebstrap)
+# The aarch64 cross toolchain (linker for the aarch64 Rust targets, see .cargo/config.toml; C
+# library for -sys crates) on hosts that are not arm64 themselves.
+[[ "$(uname -m)" == aarch64 ]] || PKGS+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -40,6 +43,7 @@ command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup
 log "Rust targets (rust-toolchain.toml)"
 rustup target add x86_64-unknown-linux-musl >/dev/null 2>&1 || rustup target add x86_64-unknown-linux-musl
 rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1 || rustup target add aarch64-unknown-linux-gnu
+rustup target add aarch64-unknown-linux-musl >/dev/null 2>&1 || rustup target add aarch64-unknown-linux-musl
 
 log "guest kernel (cached after the first build)"
 scripts/build-kernel.sh --arch x86_64 >/dev/null
