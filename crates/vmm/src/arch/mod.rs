@@ -30,7 +30,7 @@ use crate::device_manager::MmioSlot;
 
 #[cfg(target_arch = "x86_64")]
 pub use x86_64::layout::{
-    CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START, IRQ_BASE, IRQ_MAX, MMIO_BASE,
+    CMDLINE_MAX_SIZE, CMDLINE_START, DEFAULT_CMDLINE, HIMEM_START, IRQ_BASE, IRQ_MAX, MMIO_BASE,
     VIRTIO_MMIO_ON_CMDLINE,
 };
 #[cfg(target_arch = "x86_64")]
@@ -44,7 +44,9 @@ pub use x86_64::{
 };
 
 #[cfg(target_arch = "aarch64")]
-pub use aarch64::layout::{CMDLINE_MAX_SIZE, IRQ_BASE, IRQ_MAX, MMIO_BASE, VIRTIO_MMIO_ON_CMDLINE};
+pub use aarch64::layout::{
+    CMDLINE_MAX_SIZE, DEFAULT_CMDLINE, IRQ_BASE, IRQ_MAX, MMIO_BASE, VIRTIO_MMIO_ON_CMDLINE,
+};
 #[cfg(target_arch = "aarch64")]
 pub(crate) use aarch64::legacy_devices;
 #[cfg(target_arch = "aarch64")]

@@ -10,11 +10,9 @@ use crate::arch::CMDLINE_MAX_SIZE;
 #[cfg(target_arch = "x86_64")]
 use crate::arch::CMDLINE_START;
 
-/// Command line used when the user gives none: serial console on the first UART, reboot via
-/// the keyboard controller (the VMM turns it into a VM exit), reboot 1 s after a panic, no
-/// module loading, and an i8042 probe that does not wait for devices that are not there.
-pub const DEFAULT_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=1 nomodule i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd";
+/// Command line used when the user gives none, per architecture (on x86_64: serial console on
+/// the first UART, reboot through the keyboard controller, reboot 1 s after a panic).
+pub const DEFAULT_CMDLINE: &str = crate::arch::DEFAULT_CMDLINE;
 
 /// Errors building or loading the command line.
 #[derive(Debug, thiserror::Error)]

@@ -76,6 +76,11 @@ pub const FDT_MAX_SIZE: u64 = 2 << 20;
 /// `COMMAND_LINE_SIZE`).
 pub const CMDLINE_MAX_SIZE: usize = 2048;
 
+/// Command line used when the user gives none: console on the 16550 UART (`ttyS0`, found
+/// through the device tree) and a reboot 1 s after a panic; reboot and power-off go through
+/// PSCI.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 panic=1";
+
 /// Size of one page in bytes (4 KiB), the alignment of the initramfs.
 pub const PAGE_SIZE: u64 = 0x1000;
 

@@ -64,6 +64,13 @@ pub const CMDLINE_START: u64 = 0x20000;
 /// This is Linux's x86 `COMMAND_LINE_SIZE` (2048); the kernel truncates anything longer.
 pub const CMDLINE_MAX_SIZE: usize = 2048;
 
+/// Command line used when the user gives none: serial console on the first UART, reboot via
+/// the keyboard controller's reset line (the VMM turns it into a VM exit), reboot 1 s after a
+/// panic, no module loading, and an i8042 probe that does not wait for devices that are not
+/// there.
+pub const DEFAULT_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 nomodule i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd";
+
 /// GPA of the Extended BIOS Data Area (bytes): 1 KiB below 640 KiB, where the MP floating
 /// pointer is searched for (MultiProcessor Specification 1.4, section 4).
 ///
