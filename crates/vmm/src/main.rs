@@ -81,9 +81,8 @@ struct Args {
     allow_pvm: bool,
     /// seccomp filters on the VMM's threads once the VM runs: `on` (a system call outside a
     /// thread's allowlist ends the VMM with exit status 4), `log` (it is allowed and logged to
-    /// the kernel's audit log) or `off`. Also with `--config`. Off by default until the whole
-    /// guest and daemon test suites have run with it (so far: boot, run, fs and image tests).
-    #[arg(long, value_name = "on|off|log", env = "BULKHEAD_SECCOMP", default_value_t = SeccompMode::Off)]
+    /// the kernel's audit log) or `off`. Also with `--config`. On by default.
+    #[arg(long, value_name = "on|off|log", env = "BULKHEAD_SECCOMP", default_value_t = SeccompMode::On)]
     seccomp: SeccompMode,
 }
 
