@@ -125,7 +125,6 @@ impl Manager {
             cgroup_procs: Vec::new(),
             mounts: plan.mounts.clone(),
             workspace: plan.workspace.clone(),
-            jail: true,
         }
     }
 
