@@ -217,6 +217,7 @@ impl FileSystem for ShareFs {
         if opens_for_writing(flags) {
             self.writable()?;
         }
+        let flags = without_noatime(flags);
         self.run(|fs, ctx| fs.open(ctx, inode, flags, fuse_flags))
     }
 
@@ -243,6 +244,7 @@ impl FileSystem for ShareFs {
         lock_owner: Option<u64>,
         flags: u32,
     ) -> io::Result<usize> {
+        let flags = without_noatime(flags);
         self.run(|fs, ctx| fs.read(ctx, inode, handle, w, size, offset, lock_owner, flags))
     }
 
@@ -260,6 +262,7 @@ impl FileSystem for ShareFs {
         fuse_flags: u32,
     ) -> io::Result<usize> {
         self.writable()?;
+        let flags = without_noatime(flags);
         self.run(|fs, ctx| {
             fs.write(
                 ctx,
@@ -354,6 +357,7 @@ impl FileSystem for ShareFs {
         if opens_for_writing(flags) {
             self.writable()?;
         }
+        let flags = without_noatime(flags);
         self.run(|fs, ctx| fs.opendir(ctx, inode, flags))
     }
 
@@ -510,4 +514,14 @@ impl FileSystem for ShareFs {
     fn id_remap(&self, _ctx: &mut Context) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// `flags` without `O_NOATIME`. The guest's overlayfs adds it when it copies a file up; it is only
+/// an optimisation, and the host refuses it (`EPERM`) for a file the VMM does not own once the VMM
+/// runs without `CAP_FOWNER` (jailed). Read and write requests carry the file's flags too, and
+/// fuse-backend-rs re-applies differing flags with `fcntl(F_SETFL)` — whose failure there closes
+/// the handle's descriptor (a double close that aborts the VMM later) — so every request that
+/// carries open flags goes through this.
+fn without_noatime(flags: u32) -> u32 {
+    flags & !(libc::O_NOATIME as u32)
 }
