@@ -214,6 +214,13 @@ impl TestQueue {
         self.mem.write_obj(idx, GuestAddress(at)).unwrap();
     }
 
+    /// The used ring's `avail_event` (VIRTIO_RING_F_EVENT_IDX): the driver kicks once its avail
+    /// index passes it.
+    pub fn avail_event(&self) -> u16 {
+        let at = self.used + 4 + 8 * u64::from(self.size);
+        self.mem.read_obj(GuestAddress(at)).unwrap()
+    }
+
     /// The used ring's `idx`: how many chains the device has used in all (wrapping).
     pub fn used_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(self.used + 2)).unwrap()

@@ -297,16 +297,27 @@ impl Vsock {
             return;
         };
         let (mut tx_used, mut rx_used) = (false, false);
+        let mut rx_retry = true;
         loop {
-            set_tx_notifications(active, false);
+            set_notifications(active, TXQ_INDEX, false);
             let tx = drain_tx(active, &mut self.muxer);
             let rx = fill_rx(active, &mut self.muxer);
             tx_used |= tx.used;
             rx_used |= rx;
+            // RX kicks stay on: with EVENT_IDX the driver kicks only past the avail_event the
+            // device last published, so publish it after every fill (a device out of RX buffers
+            // with packets pending waits for exactly that kick). Buffers added meanwhile are
+            // used right away.
+            if set_notifications(active, RXQ_INDEX, true) && self.muxer.has_pending_rx() {
+                // Without progress it may be an avail index the queue refuses: look once only.
+                if rx || std::mem::take(&mut rx_retry) {
+                    continue;
+                }
+            }
             if tx.paused {
                 // TX stopped because too many RSTs wait for RX buffers: go on only if RX made
                 // room; the chains left over keep the guest's kicks coming.
-                set_tx_notifications(active, true);
+                set_notifications(active, TXQ_INDEX, true);
                 if rx {
                     continue;
                 }
@@ -314,7 +325,7 @@ impl Vsock {
             }
             // More TX chains arrived while notifications were off. Without progress in this
             // round it is an avail index the queue refuses, and looping would spin.
-            if !set_tx_notifications(active, true) || !tx.used {
+            if !set_notifications(active, TXQ_INDEX, true) || !tx.used {
                 break;
             }
         }
@@ -334,17 +345,17 @@ impl Vsock {
     }
 }
 
-/// Turns the driver's TX notifications off or on; when turning them on, whether more chains are
-/// already available (so the caller must look again).
-fn set_tx_notifications(active: &mut Active, enable: bool) -> bool {
-    let queue = &mut active.queues[TXQ_INDEX];
+/// Turns the driver's notifications of queue `index` off or on; when turning them on, whether
+/// more chains are already available (so the caller must look again).
+fn set_notifications(active: &mut Active, index: usize, enable: bool) -> bool {
+    let queue = &mut active.queues[index];
     let result = if enable {
         queue.enable_notification(&active.mem)
     } else {
         queue.disable_notification(&active.mem).map(|()| false)
     };
     result.unwrap_or_else(|e| {
-        tracing::warn!("vsock: cannot change TX notification suppression: {e}");
+        tracing::warn!("vsock: cannot change notification suppression of queue {index}: {e}");
         false
     })
 }

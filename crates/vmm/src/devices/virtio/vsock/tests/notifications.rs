@@ -61,3 +61,17 @@ fn tx_kicks_are_on_again_once_the_device_has_drained_the_queue() {
     assert_eq!(h.tx_used.len(), 1, "the TX chain was used");
     assert_eq!(h.tx.used_flags() & USED_F_NO_NOTIFY, 0);
 }
+
+#[test]
+fn with_event_idx_the_device_asks_for_a_kick_on_the_next_rx_buffer() {
+    // A device that ran out of RX buffers with packets pending waits for the driver's kick; with
+    // EVENT_IDX the driver kicks only when its avail index passes the device's avail_event.
+    let mut h = Harness::with_event_idx();
+    let mut g = GuestConn::new(5000, 4321);
+
+    h.send(&g.hdr(Op::Request, 0), &[]);
+
+    // Every consumed buffer was used (the RST): the next one the driver adds must kick.
+    assert_eq!(h.rx.used_idx(), 1);
+    assert_eq!(h.rx.avail_event(), h.rx.used_idx());
+}
