@@ -56,6 +56,15 @@ pub use aarch64::{
     load_kernel, setup_boot, setup_irqchip, setup_vcpus, BootState, Error, LoadedKernel,
 };
 
+/// The highest 4 KiB-aligned guest physical address at which `size` bytes end at or below
+/// `limit` (exclusive end, bytes) without starting below `floor` (the end of the kernel); `None`
+/// when they do not fit. Used by both architectures to place the initramfs.
+fn place_below(limit: u64, size: usize, floor: u64) -> Option<u64> {
+    const PAGE_MASK: u64 = 0x1000 - 1;
+    let start = limit.checked_sub(size as u64)? & !PAGE_MASK;
+    (start >= floor).then_some(start)
+}
+
 /// What the architecture's boot set-up ([`setup_boot`]) is told about the VM.
 #[derive(Debug, Clone, Copy)]
 pub struct BootConfig<'a> {

@@ -2,7 +2,7 @@
 
 use vm_memory::{Address, GuestAddress, GuestMemory, GuestMemoryMmap, GuestMemoryRegion};
 
-use super::layout::{DRAM_BASE, FDT_MAX_SIZE, KERNEL_ALIGN, PAGE_SIZE};
+use super::layout::{DRAM_BASE, FDT_MAX_SIZE, KERNEL_ALIGN};
 
 /// Errors placing the initramfs.
 #[derive(Debug, thiserror::Error)]
@@ -69,14 +69,9 @@ pub fn initrd_load_addr(
         available: limit.saturating_sub(kernel_end.raw_value()),
         limit,
     };
-    let start = match limit.checked_sub(size as u64) {
-        Some(start) => start & !(PAGE_SIZE - 1),
-        None => return Err(does_not_fit),
-    };
-    if start < kernel_end.raw_value() {
-        return Err(does_not_fit);
-    }
-    Ok(GuestAddress(start))
+    crate::arch::place_below(limit, size, kernel_end.raw_value())
+        .map(GuestAddress)
+        .ok_or(does_not_fit)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use vm_memory::{Address, GuestAddress, GuestMemory, GuestMemoryMmap, GuestMemoryRegion};
 
-use super::layout::{MMIO_GAP_END, MMIO_GAP_START, PAGE_SIZE};
+use super::layout::{MMIO_GAP_END, MMIO_GAP_START};
 
 /// Highest GPA (inclusive) an initramfs may occupy when the kernel does not say otherwise.
 ///
@@ -106,14 +106,9 @@ pub fn initrd_load_addr_below(
         available,
         limit,
     };
-    let start = match limit.checked_sub(size as u64) {
-        Some(start) => start & !(PAGE_SIZE - 1),
-        None => return Err(does_not_fit),
-    };
-    if start < kernel_end.raw_value() {
-        return Err(does_not_fit);
-    }
-    Ok(GuestAddress(start))
+    crate::arch::place_below(limit, size, kernel_end.raw_value())
+        .map(GuestAddress)
+        .ok_or(does_not_fit)
 }
 
 #[cfg(test)]
