@@ -11,7 +11,9 @@
 //! `Exit` is sent once the command has exited *and* both output pipes are at end of file
 //! (every process that inherited them closed them), like a shell pipeline. After a timeout,
 //! the group is killed and `Exit` follows as soon as the leader is reaped and the bytes
-//! already in the pipes are sent.
+//! already in the pipes are sent. With `kill_group_on_exit` (`docker run` semantics) the
+//! leader's exit ends the run the same way: the rest of its group is killed and `Exit`
+//! follows the bytes already in the pipes, whoever else still holds them open.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -39,9 +41,11 @@ const CONN_READ: usize = 64 * 1024;
 /// Output chunks read from one pipe per wakeup (4 × 16 KiB = a default pipe buffer).
 const CHUNKS_PER_WAKEUP: usize = 4;
 
-/// Bounds the final read of output after a timeout kill, so a writer that escaped the
-/// process group cannot keep the loop busy (16 chunks per pipe).
-const DRAIN_CHUNKS: usize = 16;
+/// Bounds the final read of output after the group was killed (timeout or
+/// `kill_group_on_exit`), so a writer that escaped the process group cannot keep the loop busy:
+/// 64 chunks of 16 KiB = 1 MiB per pipe, the largest pipe buffer an unprivileged process can
+/// ask for (`/proc/sys/fs/pipe-max-size`, pipe(7)), so whatever the group left in a pipe fits.
+const DRAIN_CHUNKS: usize = 64;
 
 /// Runs the command `req` for the host on `conn`, until it has exited (or the host is gone).
 pub fn serve(conn: Conn, req: &ExecRequest) {
@@ -65,7 +69,7 @@ pub fn serve(conn: Conn, req: &ExecRequest) {
             let deadline = req
                 .timeout_ms
                 .map(|ms| Instant::now() + Duration::from_millis(ms));
-            match ExecLoop::new(conn, child, deadline) {
+            match ExecLoop::new(conn, child, deadline, req.kill_group_on_exit) {
                 Ok(exec) => exec.run(),
                 Err(e) => log!("exec: preparing the event loop: {e}"),
             }
@@ -200,10 +204,17 @@ struct ExecLoop {
     pgid: libc::pid_t,
     deadline: Option<Instant>,
     timed_out: bool,
+    /// End the run when the leader has been reaped (see [`ExecRequest::kill_group_on_exit`]).
+    kill_group_on_exit: bool,
 }
 
 impl ExecLoop {
-    fn new(conn: Conn, child: Spawned, deadline: Option<Instant>) -> io::Result<Self> {
+    fn new(
+        conn: Conn,
+        child: Spawned,
+        deadline: Option<Instant>,
+        kill_group_on_exit: bool,
+    ) -> io::Result<Self> {
         let output = |fd: OwnedFd, kind| -> io::Result<OutputPipe> {
             set_nonblocking(&fd)?;
             Ok(OutputPipe {
@@ -241,18 +252,12 @@ impl ExecLoop {
             pgid: child.pid,
             deadline,
             timed_out: false,
+            kill_group_on_exit,
         })
     }
 
     fn run(mut self) {
-        loop {
-            if self.status.is_some() && self.outputs.iter().all(Option::is_none) {
-                break;
-            }
-            if self.timed_out && self.status.is_some() {
-                self.drain_outputs();
-                break;
-            }
+        while !self.finished() {
             if let Err(abort) = self.step() {
                 return self.abandon(abort);
             }
@@ -261,6 +266,31 @@ impl ExecLoop {
         self.out
             .push_frame(&Frame::Exit(exit_status(raw, self.timed_out)));
         self.flush_blocking();
+    }
+
+    /// True once `Exit` may be queued: the leader has been reaped and either both pipes are at
+    /// end of file, or the group is dead (timeout, or killed here for `kill_group_on_exit`) and
+    /// the output already in the pipes has been taken. Not a pure query: with
+    /// `kill_group_on_exit` the first call after the leader's reaping kills the group.
+    ///
+    /// The group is signalled after its leader was reaped. While any process of the group is
+    /// left, Linux does not hand its pgid out as a new pid, so the signal reaches only this
+    /// group; an empty group just gets `ESRCH` (unless the pid counter wrapped around in between,
+    /// the same window a late `Signal` frame has).
+    fn finished(&mut self) -> bool {
+        if self.status.is_none() {
+            return false;
+        }
+        if self.kill_group_on_exit && !self.timed_out {
+            kill_group(self.pgid, libc::SIGKILL);
+            self.drain_outputs();
+            return true;
+        }
+        if self.timed_out {
+            self.drain_outputs();
+            return true;
+        }
+        self.outputs.iter().all(Option::is_none)
     }
 
     /// One poll and the work it reveals.
@@ -453,7 +483,8 @@ impl ExecLoop {
         false
     }
 
-    /// After a timeout kill: takes what is already in the pipes, without waiting for more.
+    /// After the group was killed: takes what is already in the pipes (until they are empty, at
+    /// end of file, or [`DRAIN_CHUNKS`] were read), without waiting for more.
     fn drain_outputs(&mut self) {
         for i in 0..self.outputs.len() {
             for _ in 0..DRAIN_CHUNKS {

@@ -58,13 +58,23 @@ pub struct ExecRequest {
     /// group is killed with `SIGKILL` and `Exit.timed_out` is true. No limit when absent.
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// `docker run` semantics for the end of the command (default false: `docker exec` / shell
+    /// semantics). When true, as soon as the command itself (the process-group leader) has
+    /// exited, the agent sends `SIGKILL` to the rest of its process group, forwards the output
+    /// already in the pipes (without waiting for end of file) and sends `Exit`. When false,
+    /// `Exit` waits until every process holding the output pipes has closed them, so a
+    /// background process delays it. Processes that left the group (`setsid`) are not killed
+    /// either way. Agents older than this field ignore it (unknown fields are ignored).
+    #[serde(default)]
+    pub kill_group_on_exit: bool,
     /// Reserved for pseudo-terminal support; must be false (version 1 has no tty).
     #[serde(default)]
     pub tty: bool,
 }
 
 impl ExecRequest {
-    /// A request for `argv` with an empty environment, cwd `/`, no stdin, no timeout.
+    /// A request for `argv` with an empty environment, cwd `/`, no stdin, no timeout, and
+    /// `Exit` after end of file on the output pipes (`kill_group_on_exit: false`).
     pub fn new<I, S>(argv: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -78,6 +88,7 @@ impl ExecRequest {
             user: None,
             stdin: false,
             timeout_ms: None,
+            kill_group_on_exit: false,
             tty: false,
         }
     }
@@ -159,4 +170,37 @@ pub struct Ack {
     /// Bytes written, for a file write; 0 otherwise.
     #[serde(default)]
     pub bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kill_group_on_exit_round_trips_through_json() {
+        // Arrange
+        let mut req = ExecRequest::new(["sh", "-c", "sleep 30 & echo done"]);
+        req.kill_group_on_exit = true;
+
+        // Act
+        let json = serde_json::to_string(&req).unwrap();
+        let back: ExecRequest = serde_json::from_str(&json).unwrap();
+
+        // Assert
+        assert!(json.contains("\"kill_group_on_exit\":true"), "{json}");
+        assert_eq!(back, req);
+    }
+
+    #[test]
+    fn a_request_without_kill_group_on_exit_keeps_waiting_for_end_of_file() {
+        // Arrange: what a host older than the field sends.
+        let json = r#"{"version":1,"argv":["true"]}"#;
+
+        // Act
+        let req: ExecRequest = serde_json::from_str(json).unwrap();
+
+        // Assert
+        assert!(!req.kill_group_on_exit);
+        assert_eq!(req, ExecRequest::new(["true"]));
+    }
 }
