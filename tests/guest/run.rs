@@ -150,6 +150,26 @@ guest_test!(
 );
 
 guest_test!(
+    fn the_run_ends_with_the_command_not_with_its_background_processes() {
+        // Like `docker run`: the background sleep holds stdout but dies with the command.
+        let out = bulkhead_run(
+            &[
+                "--timeout",
+                "20",
+                "--",
+                "sh",
+                "-c",
+                "sleep 1000 & echo done",
+            ],
+            b"",
+        );
+
+        assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+        assert_eq!(out.stdout, b"done\n", "{}", describe(&out));
+    }
+);
+
+guest_test!(
     fn env_workdir_and_user_reach_the_command() {
         let out = bulkhead_run(
             &[
@@ -326,4 +346,68 @@ fn unknown_flag_is_a_usage_error() {
 
     assert_eq!(out.status.code(), Some(125), "{}", describe(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--bogus"));
+}
+
+/// Runs `bulkhead run ARGS -- true`, which must be refused before anything starts.
+fn refused_run(args: &[&str]) -> Output {
+    Command::new(&artifacts().cli)
+        .arg("run")
+        .args(args)
+        .args(["--", "true"])
+        .output()
+        .unwrap()
+}
+
+/// Asserts a usage error: exit 125 and `expected` on stderr, with no VM and no KVM hint.
+fn assert_refused(out: &Output, expected: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{}", describe(out));
+    assert!(stderr.contains(expected), "{}", describe(out));
+    assert!(!stderr.contains("test host"), "{}", describe(out));
+}
+
+#[test]
+fn zero_memory_is_refused_before_any_vm_starts() {
+    let out = refused_run(&["--memory", "0"]);
+
+    assert_refused(
+        &out,
+        "invalid value '0' for '--memory <MIB>': guest memory must be between",
+    );
+}
+
+#[test]
+fn memory_outside_the_vmm_limits_is_refused() {
+    use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
+    let expected =
+        format!("guest memory must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB} MiB");
+
+    let below = refused_run(&["--memory", &(MIN_MEMORY_MIB - 1).to_string()]);
+    let above = refused_run(&["--memory", &(u64::from(MAX_MEMORY_MIB) + 1).to_string()]);
+
+    assert_refused(&below, &expected);
+    assert_refused(&above, &expected);
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn zero_vcpus_and_more_than_the_vmm_takes_are_refused() {
+    // The x86_64 boot tables' limit, below the VMM's configuration limit.
+    let max = bulkhead_vmm::arch::x86_64::layout::MAX_VCPUS;
+    let expected = format!("the number of vCPUs must be between 1 and {max}");
+
+    let zero = refused_run(&["--vcpus", "0"]);
+    let many = refused_run(&["--vcpus", &(u32::from(max) + 1).to_string()]);
+
+    assert_refused(&zero, &expected);
+    assert_refused(&many, &expected);
+}
+
+#[test]
+fn a_zero_timeout_is_refused() {
+    let run = refused_run(&["--timeout", "0"]);
+    let boot = refused_run(&["--boot-timeout", "0"]);
+
+    assert_refused(&run, "invalid value '0' for '--timeout <SECS>'");
+    assert_refused(&boot, "invalid value '0' for '--boot-timeout <SECS>'");
 }

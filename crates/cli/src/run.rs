@@ -1,6 +1,7 @@
 //! `bulkhead run`: boot, wait for the agent, run the command with our stdin forwarded and its
 //! output streamed, destroy the VM, exit with the command's status.
 
+use std::ffi::OsString;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::thread;
@@ -12,6 +13,7 @@ use bulkhead_protocol::{ExecRequest, ExitStatus};
 use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, Workspace};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
+use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 
 use crate::{run_export, rundir};
 
@@ -22,14 +24,29 @@ use crate::signals::SignalRouter;
 /// Exit status reported when `--timeout` expired (as coreutils `timeout` does).
 pub const EXIT_TIMEOUT: u8 = 124;
 
+/// Most vCPUs the architecture's boot tables describe (the VMM refuses more when it builds
+/// the VM: MP table and CPUID topology on x86_64, GICv3 redistributors on aarch64).
+#[cfg(target_arch = "x86_64")]
+const ARCH_MAX_VCPUS: u8 = bulkhead_vmm::arch::x86_64::layout::MAX_VCPUS;
+#[cfg(target_arch = "aarch64")]
+const ARCH_MAX_VCPUS: u8 = bulkhead_vmm::arch::aarch64::layout::MAX_VCPUS;
+
+/// Most vCPUs `--vcpus` accepts: the VMM's configuration limit or the architecture's, whichever
+/// is lower (this host's KVM_CAP_MAX_VCPUS, known only once /dev/kvm is open, is the VMM's check).
+pub const MAX_VCPUS: u8 = if bulkhead_vmm::config::MAX_VCPUS < ARCH_MAX_VCPUS {
+    bulkhead_vmm::config::MAX_VCPUS
+} else {
+    ARCH_MAX_VCPUS
+};
+
 /// Arguments of `bulkhead run`.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// Number of vCPUs.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
+    /// Number of vCPUs (1 to the VMM's limit).
+    #[arg(long, default_value_t = 1, value_parser = parse_vcpus)]
     vcpus: u8,
-    /// Guest memory, MiB.
-    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    /// Guest memory, MiB (within the VMM's limits).
+    #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = parse_memory)]
     memory: u32,
     /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux].
     #[arg(long, value_name = "PATH")]
@@ -45,8 +62,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR")]
     workdir: Option<String>,
     /// Kill the command's whole process group after this many seconds (exit status 124).
-    #[arg(long, value_name = "SECS")]
-    timeout: Option<f64>,
+    #[arg(long, value_name = "SECS", value_parser = parse_positive_seconds)]
+    timeout: Option<Duration>,
     /// User to run as in the guest (name, uid or uid:gid).
     #[arg(long, short = 'u')]
     user: Option<String>,
@@ -54,8 +71,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     console: Option<PathBuf>,
     /// Seconds to wait for the guest agent to come up.
-    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
-    boot_timeout: f64,
+    #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_positive_seconds)]
+    boot_timeout: Duration,
     /// Print the cold-start phases (ms since the VMM process started) to stderr when the run
     /// ends, one line each.
     #[arg(long)]
@@ -101,9 +118,40 @@ fn parse_env(s: &str) -> Result<String, String> {
     }
 }
 
-fn seconds(what: &str, secs: f64) -> Result<Duration, String> {
-    Duration::try_from_secs_f64(secs)
-        .map_err(|_| format!("{what} must be a non-negative number of seconds"))
+/// `--vcpus`: 1..=[`MAX_VCPUS`].
+fn parse_vcpus(s: &str) -> Result<u8, String> {
+    let range = format!("between 1 and {MAX_VCPUS} (the VMM's limit)");
+    match s.parse::<u64>() {
+        Ok(n) if (1..=u64::from(MAX_VCPUS)).contains(&n) => Ok(n as u8),
+        Ok(_) => Err(format!("the number of vCPUs must be {range}")),
+        Err(_) => Err(format!("`{s}` is not a whole number; it must be {range}")),
+    }
+}
+
+/// `--memory`: MiB within the VMM's [`MIN_MEMORY_MIB`]..=[`MAX_MEMORY_MIB`].
+fn parse_memory(s: &str) -> Result<u32, String> {
+    let range = format!("between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB} MiB (the VMM's limits)");
+    match s.parse::<u64>() {
+        Ok(n) if (u64::from(MIN_MEMORY_MIB)..=u64::from(MAX_MEMORY_MIB)).contains(&n) => {
+            Ok(n as u32)
+        }
+        Ok(_) => Err(format!("guest memory must be {range}")),
+        Err(_) => Err(format!(
+            "`{s}` is not a whole number of MiB; it must be {range}"
+        )),
+    }
+}
+
+/// `--timeout`, `--boot-timeout`: seconds (fractions allowed), more than 0 and at least 1 ms,
+/// the unit of the agent's `timeout_ms`.
+fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d >= Duration::from_millis(1) => Ok(d),
+        _ => Err("it must be a number of seconds of at least 0.001".to_owned()),
+    }
 }
 
 /// Runs the command; returns the exit status for the process.
@@ -124,7 +172,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
         args.export_tar.as_deref(),
         config.workspace.as_ref(),
     )?;
-    require_bootable_kvm("run -- CMD")?;
+    require_bootable_kvm_for(&user_words(), &args)?;
     // This run's own directory for the sandbox's runtime files, so a signal during the boot
     // can remove them (see `signals`); removed at the end of a normal run too.
     let run_dir = rundir::create(&config.runtime_dir)?;
@@ -204,18 +252,60 @@ pub(crate) fn require_bootable_kvm(verb: &str) -> Result<(), String> {
     if kvm.can_boot_stock_kernel() {
         return Ok(());
     }
-    Err(format!(
-        "{}; run bulkhead inside the nested test host instead: `{}` (see README)",
-        kvm.explain(),
-        testhost_hint(verb)
-    ))
+    Err(refusal(kvm.explain(), &testhost_hint(verb, &[])))
+}
+
+/// Like [`require_bootable_kvm`] for `bulkhead run`: the suggested command repeats `words` (the
+/// user's own arguments after `bulkhead`, shell-quoted) and also shares the directories that
+/// `--workspace` and `--mount` name.
+fn require_bootable_kvm_for(words: &[String], args: &RunArgs) -> Result<(), String> {
+    let kvm = host_kvm();
+    if kvm.can_boot_stock_kernel() {
+        return Ok(());
+    }
+    let verb: Vec<String> = words.iter().map(|w| shell_quote(w)).collect();
+    let hint = testhost_hint(&verb.join(" "), &extra_shares(args));
+    Err(refusal(kvm.explain(), &hint))
+}
+
+fn refusal(explanation: &str, hint: &str) -> String {
+    format!(
+        "{explanation}; run bulkhead inside the nested test host instead: `{hint}` (see README)"
+    )
+}
+
+/// This process's arguments after the program name, as typed (non-UTF-8 bytes replaced).
+fn user_words() -> Vec<String> {
+    std::env::args_os()
+        .skip(1)
+        .map(|w: OsString| w.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Host directories of `--workspace` and `--mount` that the test host must share too (the
+/// current directory always is; relative paths are resolved inside it).
+fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
+    let mounts = args.mounts.iter().map(|m| &m.host);
+    args.workspace
+        .iter()
+        .map(|w| &w.host)
+        .chain(mounts)
+        .filter(|p| p.is_absolute())
+        .cloned()
+        .collect()
+}
+
+/// Quotes `word` for a POSIX shell (`shlex`), leaving words of only safe characters bare. A
+/// word with a NUL byte, which no shell word or argument can hold, is replaced by `''`.
+fn shell_quote(word: &str) -> String {
+    shlex::try_quote(word).map_or_else(|_| "''".to_owned(), |q| q.into_owned())
 }
 
 fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
     let mut config = SandboxConfig {
         vcpus: args.vcpus,
         memory_mib: args.memory,
-        ready_timeout: seconds("--boot-timeout", args.boot_timeout)?,
+        ready_timeout: args.boot_timeout,
         mounts: args.mounts.clone(),
         workspace: args.workspace.clone(),
         ..SandboxConfig::default()
@@ -232,18 +322,24 @@ fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
     Ok(config)
 }
 
-/// The `bulkhead-testhost` command line that runs this `bulkhead` in the nested test host: the
-/// binaries' directory and the data directory shared at the same paths, the data directory named
-/// explicitly (the test host's HOME differs).
-fn testhost_hint(verb: &str) -> String {
+/// The `bulkhead-testhost` command line that runs this `bulkhead` with the arguments `verb`
+/// (already shell-quoted) in the nested test host: the binaries' directory, the data directory
+/// and `shares` shared at the same paths, the data directory named explicitly (the test host's
+/// HOME differs).
+fn testhost_hint(verb: &str, shares: &[PathBuf]) -> String {
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"));
     let bin_dir = exe.parent().unwrap_or(Path::new("/")).to_owned();
     let data = bulkhead_sandbox::paths::data_dir();
+    let path = |p: &Path| shell_quote(&p.to_string_lossy());
+    let extra: String = shares
+        .iter()
+        .map(|s| format!("--share {} ", path(s)))
+        .collect();
     format!(
-        "bulkhead-testhost run --share {bin} --share {data} -e BULKHEAD_DATA_DIR={data} -- {exe} {verb}",
-        bin = bin_dir.display(),
-        data = data.display(),
-        exe = exe.display()
+        "bulkhead-testhost run --share {bin} --share {data} {extra}-e BULKHEAD_DATA_DIR={data} -- {exe} {verb}",
+        bin = path(&bin_dir),
+        data = path(&data),
+        exe = path(&exe)
     )
 }
 
@@ -280,10 +376,12 @@ fn exec_request(args: &RunArgs) -> Result<ExecRequest, String> {
     };
     request.user = args.user.clone();
     request.stdin = true;
-    request.timeout_ms = match args.timeout {
-        Some(secs) => Some(seconds("--timeout", secs)?.as_millis() as u64),
-        None => None,
-    };
+    request.timeout_ms = args
+        .timeout
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    // Like `docker run`: the run ends with the command; its leftover background processes die
+    // (with the VM, which is destroyed right after anyway) instead of holding the output open.
+    request.kill_group_on_exit = true;
     Ok(request)
 }
 
@@ -441,6 +539,90 @@ mod tests {
         assert!(env.contains(&"PATH=/x".to_owned()));
         assert!(!env.iter().any(|e| e.starts_with("PATH=/usr")));
         assert!(env.contains(&"A=b=c".to_owned()));
+    }
+
+    #[test]
+    fn vcpus_and_memory_outside_the_vmm_limits_are_refused() {
+        let max = MAX_VCPUS.to_string();
+        let above = (u32::from(MAX_VCPUS) + 1).to_string();
+        let too_little = (MIN_MEMORY_MIB - 1).to_string();
+        let too_much = (u64::from(MAX_MEMORY_MIB) + 1).to_string();
+
+        assert_eq!(parse_vcpus("1"), Ok(1));
+        assert_eq!(parse_vcpus(&max), Ok(MAX_VCPUS));
+        assert!(parse_vcpus("0")
+            .unwrap_err()
+            .contains(&format!("between 1 and {max}")));
+        assert!(parse_vcpus(&above).is_err());
+        assert!(parse_vcpus("-1").is_err());
+        assert_eq!(
+            parse_memory(&MIN_MEMORY_MIB.to_string()),
+            Ok(MIN_MEMORY_MIB)
+        );
+        assert!(parse_memory("0")
+            .unwrap_err()
+            .contains("guest memory must be between"));
+        assert!(parse_memory(&too_little).is_err());
+        assert!(parse_memory(&too_much).is_err());
+    }
+
+    #[test]
+    fn timeouts_must_be_at_least_a_millisecond() {
+        assert_eq!(
+            parse_positive_seconds("1.5"),
+            Ok(Duration::from_millis(1500))
+        );
+        assert_eq!(
+            parse_positive_seconds("0.001"),
+            Ok(Duration::from_millis(1))
+        );
+        assert!(parse_positive_seconds("0").is_err());
+        assert!(parse_positive_seconds("0.0001").is_err());
+        assert!(parse_positive_seconds("-1").is_err());
+        assert!(parse_positive_seconds("inf").is_err());
+        assert!(parse_positive_seconds("NaN").is_err());
+        assert!(parse_positive_seconds("soon").is_err());
+    }
+
+    #[test]
+    fn shell_quoting_leaves_plain_words_bare_and_survives_a_real_shell() {
+        let words = [
+            "--timeout",
+            "20",
+            "sh",
+            "-c",
+            "sleep 30 & echo 'done'",
+            "",
+            "$HOME",
+        ];
+
+        let quoted: Vec<String> = words.iter().map(|w| shell_quote(w)).collect();
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("printf '%s|' {}", quoted.join(" ")))
+            .output()
+            .unwrap();
+
+        assert_eq!(&quoted[..4], ["--timeout", "20", "sh", "-c"]);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "--timeout|20|sh|-c|sleep 30 & echo 'done'||$HOME|"
+        );
+    }
+
+    #[test]
+    fn the_testhost_hint_carries_the_arguments_and_extra_shares() {
+        let hint = testhost_hint(
+            "run --memory 512 -- 'a b'",
+            &[PathBuf::from("/src/my proj")],
+        );
+
+        assert!(hint.starts_with("bulkhead-testhost run --share "), "{hint}");
+        assert!(
+            hint.contains(" --share '/src/my proj' -e BULKHEAD_DATA_DIR="),
+            "{hint}"
+        );
+        assert!(hint.ends_with(" run --memory 512 -- 'a b'"), "{hint}");
     }
 
     #[test]
