@@ -390,10 +390,8 @@ fn memory_outside_the_vmm_limits_is_refused() {
 }
 
 #[test]
-#[cfg(target_arch = "x86_64")]
 fn zero_vcpus_and_more_than_the_vmm_takes_are_refused() {
-    // The x86_64 boot tables' limit, below the VMM's configuration limit.
-    let max = bulkhead_vmm::arch::x86_64::layout::MAX_VCPUS;
+    let max = bulkhead_vmm::config::MAX_VCPUS;
     let expected = format!("the number of vCPUs must be between 1 and {max}");
 
     let zero = refused_run(&["--vcpus", "0"]);

@@ -24,20 +24,9 @@ use crate::signals::SignalRouter;
 /// Exit status reported when `--timeout` expired (as coreutils `timeout` does).
 pub const EXIT_TIMEOUT: u8 = 124;
 
-/// Most vCPUs the architecture's boot tables describe (the VMM refuses more when it builds
-/// the VM: MP table and CPUID topology on x86_64, GICv3 redistributors on aarch64).
-#[cfg(target_arch = "x86_64")]
-const ARCH_MAX_VCPUS: u8 = bulkhead_vmm::arch::x86_64::layout::MAX_VCPUS;
-#[cfg(target_arch = "aarch64")]
-const ARCH_MAX_VCPUS: u8 = bulkhead_vmm::arch::aarch64::layout::MAX_VCPUS;
-
-/// Most vCPUs `--vcpus` accepts: the VMM's configuration limit or the architecture's, whichever
-/// is lower (this host's KVM_CAP_MAX_VCPUS, known only once /dev/kvm is open, is the VMM's check).
-pub const MAX_VCPUS: u8 = if bulkhead_vmm::config::MAX_VCPUS < ARCH_MAX_VCPUS {
-    bulkhead_vmm::config::MAX_VCPUS
-} else {
-    ARCH_MAX_VCPUS
-};
+/// Most vCPUs `--vcpus` accepts: the VMM's limit for this architecture (this host's
+/// KVM_CAP_MAX_VCPUS, known only once /dev/kvm is open, is the VMM's check).
+pub const MAX_VCPUS: u8 = bulkhead_vmm::config::MAX_VCPUS;
 
 /// Arguments of `bulkhead run`.
 #[derive(Debug, clap::Args)]

@@ -29,9 +29,10 @@ use crate::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 pub const DEFAULT_VCPUS: u8 = 1;
 /// Default guest RAM, MiB.
 pub const DEFAULT_MEMORY_MIB: u32 = 128;
-/// Most vCPUs a bulkhead VM may have; KVM's own limit (KVM_CAP_MAX_VCPUS) may be lower and is
-/// checked when the VM is built. Bounded by the MP table's 8-bit APIC IDs.
-pub const MAX_VCPUS: u8 = 254;
+/// Most vCPUs a bulkhead VM may have: what this architecture's boot tables describe (x86_64:
+/// 128, the MP table and CPUID topology; aarch64: 123, the GICv3 redistributors that fit the
+/// layout). KVM's own limit (KVM_CAP_MAX_VCPUS) may be lower and is checked when the VM is built.
+pub const MAX_VCPUS: u8 = crate::arch::MAX_VCPUS;
 
 /// Largest configuration file [`VmConfig::from_file`] reads (1 MiB): a real one is a few hundred
 /// bytes, and `--config /dev/zero` must be an error, not an unbounded read.

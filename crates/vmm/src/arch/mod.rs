@@ -30,8 +30,8 @@ use crate::device_manager::MmioSlot;
 
 #[cfg(target_arch = "x86_64")]
 pub use x86_64::layout::{
-    CMDLINE_MAX_SIZE, CMDLINE_START, DEFAULT_CMDLINE, HIMEM_START, IRQ_BASE, IRQ_MAX, MMIO_BASE,
-    VIRTIO_MMIO_ON_CMDLINE,
+    CMDLINE_MAX_SIZE, CMDLINE_START, DEFAULT_CMDLINE, HIMEM_START, IRQ_BASE, IRQ_MAX, MAX_VCPUS,
+    MMIO_BASE, VIRTIO_MMIO_ON_CMDLINE,
 };
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_64::legacy_devices;
@@ -45,7 +45,8 @@ pub use x86_64::{
 
 #[cfg(target_arch = "aarch64")]
 pub use aarch64::layout::{
-    CMDLINE_MAX_SIZE, DEFAULT_CMDLINE, IRQ_BASE, IRQ_MAX, MMIO_BASE, VIRTIO_MMIO_ON_CMDLINE,
+    CMDLINE_MAX_SIZE, DEFAULT_CMDLINE, IRQ_BASE, IRQ_MAX, MAX_VCPUS, MMIO_BASE,
+    VIRTIO_MMIO_ON_CMDLINE,
 };
 #[cfg(target_arch = "aarch64")]
 pub(crate) use aarch64::legacy_devices;
