@@ -12,6 +12,7 @@
 //! - [`config`]: the VM configuration (JSON or command-line flags) and its validation.
 //! - [`timings`]: the boot-timeline report (`bulkhead-vmm --timings-json`).
 //! - [`seccomp`]: the seccomp-BPF allowlist of each kind of VMM thread.
+//! - [`jail`]: namespaces, a private root and dropped privileges for the VMM process.
 #![deny(missing_docs)]
 
 pub mod arch;
@@ -20,6 +21,7 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
+pub mod jail;
 pub mod limits;
 pub mod seccomp;
 pub mod timings;

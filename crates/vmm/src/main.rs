@@ -8,6 +8,10 @@
 //! Environment: `BULKHEAD_LOG` (tracing filter, default `warn`); `BULKHEAD_BOOT_LOG=FILE`
 //! appends one line per booted VM to FILE (see `log_boot`); `BULKHEAD_SECCOMP` (`on`, `off`,
 //! `log`) stands for `--seccomp` when the flag is not given.
+//!
+//! With `--jail-uid U --jail-gid G --jail-root DIR` (as root) the VMM jails itself before it
+//! builds the VM (see `bulkhead_vmm::jail`): the process the caller started becomes a small
+//! supervisor that forwards SIGTERM/SIGINT/SIGHUP and exits as the jailed VMM did.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -18,6 +22,7 @@ use bulkhead_vmm::config::{
     DiskConfig, SerialOutput, ShareConfig, VmConfig, VsockConfig, DEFAULT_GUEST_CID,
     DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
 };
+use bulkhead_vmm::jail::{self, JailConfig, MountPlan};
 use bulkhead_vmm::seccomp::{SeccompMode, ThreadFilters, ThreadKind};
 use bulkhead_vmm::timings::{guest_ranges, ProcessClock, TimingsReport};
 use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
@@ -84,6 +89,46 @@ struct Args {
     /// the kernel's audit log) or `off`. Also with `--config`. On by default.
     #[arg(long, value_name = "on|off|log", env = "BULKHEAD_SECCOMP", default_value_t = SeccompMode::On)]
     seccomp: SeccompMode,
+    /// Jail the VMM (needs root): it runs as this uid, without capabilities, in its own mount,
+    /// PID, IPC, UTS and network namespaces, under a private root holding only the VM's files.
+    #[arg(long, value_name = "UID", requires_all = ["jail_gid", "jail_root"])]
+    jail_uid: Option<u32>,
+    /// The jailed VMM's gid (its only group).
+    #[arg(long, value_name = "GID", requires_all = ["jail_uid", "jail_root"])]
+    jail_gid: Option<u32>,
+    /// An existing empty directory the jail's root is mounted on (in the VMM's own mount
+    /// namespace: it stays empty for everyone else).
+    #[arg(long, value_name = "DIR", requires_all = ["jail_uid", "jail_gid"])]
+    jail_root: Option<PathBuf>,
+}
+
+/// How to start the VM, besides its configuration.
+struct Launch {
+    allow_pvm: bool,
+    kvm_device: PathBuf,
+    timings: Option<(PathBuf, ProcessClock)>,
+    seccomp: SeccompMode,
+    jail: Option<JailConfig>,
+}
+
+impl Launch {
+    fn new(args: &Args, process_start: ProcessClock) -> Launch {
+        let jail = match (args.jail_uid, args.jail_gid, &args.jail_root) {
+            (Some(uid), Some(gid), Some(root)) => Some(JailConfig {
+                uid,
+                gid,
+                root: root.clone(),
+            }),
+            _ => None,
+        };
+        Launch {
+            allow_pvm: args.allow_pvm,
+            kvm_device: args.kvm_device.clone(),
+            timings: args.timings_json.clone().map(|path| (path, process_start)),
+            seccomp: args.seccomp,
+            jail,
+        }
+    }
 }
 
 impl Args {
@@ -123,11 +168,8 @@ fn main() -> ExitCode {
         )
         .init();
     let args = Args::parse();
-    let allow_pvm = args.allow_pvm;
-    let kvm_device = args.kvm_device.clone();
-    let seccomp = args.seccomp;
-    let timings = args.timings_json.clone().map(|path| (path, process_start));
-    match run(args, allow_pvm, &kvm_device, timings, seccomp) {
+    let launch = Launch::new(&args, process_start);
+    match run(args, launch) {
         Ok(code) => code,
         Err(msg) => {
             eprintln!("bulkhead-vmm: error: {msg}");
@@ -141,21 +183,40 @@ fn main() -> ExitCode {
 /// The test suite counts guest boots with it; an operator can use it as a boot audit trail.
 const BOOT_LOG_ENV: &str = "BULKHEAD_BOOT_LOG";
 
-/// Appends this boot to the [`BOOT_LOG_ENV`] file when it is set. A log that cannot be written
-/// only gets a warning: it must not stop the VM.
-fn log_boot(kernel: &Path) {
-    use std::io::Write;
-    let Some(path) = std::env::var_os(BOOT_LOG_ENV) else {
-        return;
-    };
-    let line = format!("pid={} kernel={}\n", std::process::id(), kernel.display());
-    let written = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .and_then(|mut f| f.write_all(line.as_bytes()));
-    if let Err(e) = written {
-        tracing::warn!("cannot append to {BOOT_LOG_ENV} file {path:?}: {e}");
+/// The [`BOOT_LOG_ENV`] file, opened before the jail (which does not hold it), with the pid the
+/// VMM's spawner knows (the supervisor's, when jailed).
+struct BootLog(Option<(std::fs::File, u32)>);
+
+impl BootLog {
+    /// Opens the file when the variable is set. A log that cannot be opened only gets a
+    /// warning: it must not stop the VM.
+    fn open() -> BootLog {
+        let Some(path) = std::env::var_os(BOOT_LOG_ENV) else {
+            return BootLog(None);
+        };
+        match std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+        {
+            Ok(file) => BootLog(Some((file, std::process::id()))),
+            Err(e) => {
+                tracing::warn!("cannot open {BOOT_LOG_ENV} file {path:?}: {e}");
+                BootLog(None)
+            }
+        }
+    }
+
+    /// Appends this boot (`pid=<pid> kernel=<path>`).
+    fn append(self, kernel: &Path) {
+        use std::io::Write;
+        let Some((mut file, pid)) = self.0 else {
+            return;
+        };
+        let line = format!("pid={pid} kernel={}\n", kernel.display());
+        if let Err(e) = file.write_all(line.as_bytes()) {
+            tracing::warn!("cannot append to the {BOOT_LOG_ENV} file: {e}");
+        }
     }
 }
 
@@ -188,17 +249,11 @@ fn stop_on_signals(stop: StopHandle, seccomp: Arc<ThreadFilters>) -> Result<(), 
     }
 }
 
-fn run(
-    args: Args,
-    allow_pvm: bool,
-    kvm_device: &Path,
-    timings: Option<(PathBuf, ProcessClock)>,
-    seccomp: SeccompMode,
-) -> Result<ExitCode, String> {
+fn run(args: Args, launch: Launch) -> Result<ExitCode, String> {
     let config = args.into_config().map_err(|e| e.to_string())?;
-    let seccomp = Arc::new(ThreadFilters::new(seccomp).map_err(|e| e.to_string())?);
+    let seccomp = Arc::new(ThreadFilters::new(launch.seccomp).map_err(|e| e.to_string())?);
     let kvm = host_kvm();
-    if !kvm.can_boot_stock_kernel() && !allow_pvm {
+    if !kvm.can_boot_stock_kernel() && !launch.allow_pvm {
         return Err(format!(
             "{}; boot guests inside the nested test host instead (`bulkhead-testhost run -- bulkhead-vmm ...`), or pass --allow-pvm for a PVM-enabled guest kernel",
             kvm.explain()
@@ -209,10 +264,25 @@ fn run(
         Ok((soft, _)) => tracing::debug!("open files limit: {soft}"),
         Err(e) => tracing::warn!("cannot raise the open files limit: {e}"),
     }
-    let vmm = build_with_kvm(&config, kvm_device).map_err(|e| e.to_string())?;
-    log_boot(&config.kernel);
+    let boot_log = BootLog::open();
+    let confined = match &launch.jail {
+        Some(jail) => {
+            let timings_path = launch.timings.as_ref().map(|(path, _)| path.as_path());
+            let plan = MountPlan::for_vm(&config, timings_path).map_err(|e| e.to_string())?;
+            Some(jail::enter(jail, &plan, &launch.kvm_device).map_err(|e| e.to_string())?)
+        }
+        None => None,
+    };
+    let vmm = build_with_kvm(&config, &launch.kvm_device).map_err(|e| e.to_string())?;
+    if let Some(confined) = confined {
+        confined.drop_privileges().map_err(|e| e.to_string())?;
+    }
+    boot_log.append(&config.kernel);
     stop_on_signals(vmm.stop_handle(), Arc::clone(&seccomp))?;
+    // Jailed, the stop signals were blocked until now (see `jail::unblock_stop_signals`).
+    jail::unblock_stop_signals().map_err(|e| e.to_string())?;
     let ranges = guest_ranges(vmm.guest_memory());
+    let timings = launch.timings;
     let outcome = vmm
         .run_confined(seccomp, |timeline| {
             if let Some((path, origin)) = &timings {

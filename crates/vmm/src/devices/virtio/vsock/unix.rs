@@ -75,8 +75,17 @@ impl AsRawFd for HostListener {
 
 impl Drop for HostListener {
     fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_file(&self.path) {
-            tracing::warn!("cannot remove vsock socket {}: {e}", self.path.display());
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => {}
+            // A jailed VMM has no write permission on the runtime directory once it dropped its
+            // capabilities; the spawner removes the directory with the socket in it.
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                tracing::debug!(
+                    "vsock socket {} left to the spawner: {e}",
+                    self.path.display()
+                );
+            }
+            Err(e) => tracing::warn!("cannot remove vsock socket {}: {e}", self.path.display()),
         }
     }
 }
