@@ -7,6 +7,7 @@ mod boot;
 mod fs;
 mod fs_many;
 mod images;
+mod jail;
 mod run;
 mod run_export;
 mod sandbox_api;

@@ -2,7 +2,7 @@
 //! disconnects, vsock edge cases and large transfers.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -142,8 +142,8 @@ guest_test!(
         })
         .unwrap();
         let port = 5000;
-        let listener_path = format!("{}_{port}", sandbox.vsock_path().display());
-        let listener = UnixListener::bind(&listener_path).unwrap();
+        // Bound through the sandbox so that a jailed VMM (its own uid) may connect to it.
+        let listener = sandbox.listen_on_host_port(port).unwrap();
         let (done, arrived) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();

@@ -7,7 +7,8 @@
 //!    (`vm.sock`) and the VMM's log;
 //! 2. binds the readiness listener `vm.sock_1025` *before* the VM starts, so the agent's
 //!    announcement (a guest connection to CID 2, port [`READY_PORT`]) cannot be missed;
-//! 3. spawns `bulkhead-vmm --config vm.json`;
+//! 3. spawns `bulkhead-vmm --config vm.json` — as root, jailed ([`jail`]: own namespaces, a
+//!    private root, an unprivileged uid/gid, no capabilities);
 //! 4. waits, without polling, until either the agent announces itself or the VMM exits
 //!    (`poll(2)` on the listener and a pidfd of the VMM process).
 //!
@@ -27,6 +28,7 @@
 //! [`READY_PORT`]: bulkhead_protocol::READY_PORT
 #![deny(missing_docs)]
 
+pub mod jail;
 pub mod mounts;
 pub mod paths;
 pub mod phases;
@@ -36,6 +38,7 @@ pub mod storage;
 mod vmm_process;
 pub mod workspace;
 
+pub use jail::JailError;
 pub use mounts::{Mount, MountError};
 pub use phases::{PhaseClock, Phases, Timings, PHASE_NAMES};
 pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState};

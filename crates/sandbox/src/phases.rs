@@ -13,7 +13,7 @@
 //! | `vm_destroyed` | host: the VMM process was stopped and reaped ([`crate::Sandbox::destroy_timed`]) |
 //!
 //! The VMM's moments come from its timings report (`bulkhead-vmm --timings-json`, written into
-//! the runtime directory as soon as the vCPUs run and before the VMM services any device, so it
+//! the runtime directory's `vmm/` as soon as the vCPUs run and before the VMM services any device, so it
 //! is complete by the time the agent's `Ready` arrives: no waiting). The report carries the VMM's
 //! start as `CLOCK_MONOTONIC` nanoseconds, which places host moments of this process on the same
 //! timeline.
@@ -31,8 +31,9 @@ use std::time::{Duration, Instant};
 use bulkhead_protocol::Ready;
 use bulkhead_vmm::timings::{monotonic_ns, TimingsReport};
 
-/// File name of the VMM's timings report in a sandbox's runtime directory.
-pub const REPORT_FILE: &str = "timings.json";
+/// The VMM's timings report, relative to a sandbox's runtime directory: in `vmm/`, the one
+/// sub-directory a jailed VMM may write (see [`crate::jail`]).
+pub const REPORT_FILE: &str = "vmm/timings.json";
 
 /// Names of the phases, in timeline order (the keys of the bench JSON, see [`Phases::named`]).
 pub const PHASE_NAMES: [&str; 8] = [

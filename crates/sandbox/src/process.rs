@@ -23,9 +23,11 @@ pub(crate) struct SpawnOptions<'a> {
     pub cgroup_procs: &'a [PathBuf],
     /// Where the VMM writes its timings report (`--timings-json`), if anywhere.
     pub timings_json: Option<&'a Path>,
+    /// Extra arguments (the jail's).
+    pub extra_args: &'a [std::ffi::OsString],
 }
 
-/// Spawns `vmm --config <config> [--timings-json <file>]` with stdout/stderr appended to `log`.
+/// Spawns `vmm --config <config> [--timings-json <file>] [extra args]` with stdout/stderr appended to `log`.
 pub(crate) fn spawn_vmm(
     vmm: &Path,
     config: &Path,
@@ -43,6 +45,7 @@ pub(crate) fn spawn_vmm(
     if let Some(report) = options.timings_json {
         cmd.arg("--timings-json").arg(report);
     }
+    cmd.args(options.extra_args);
     if options.kill_on_parent_exit {
         // SAFETY: the closure runs in the child between fork and exec and only calls prctl, which
         // is async-signal-safe.
@@ -267,6 +270,7 @@ mod tests {
             kill_on_parent_exit: true,
             cgroup_procs: &[],
             timings_json: None,
+            extra_args: &[],
         };
 
         // Act: spawn from a worker thread, then wait until that thread is fully gone (the

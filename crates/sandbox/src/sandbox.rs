@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use bulkhead_protocol::client::{accept_ready, AgentClient, ClientError, ExecSession};
 use bulkhead_protocol::{ExecRequest, Ready, READY_PORT};
 use bulkhead_vmm::boot::cmdline::DEFAULT_CMDLINE;
-use bulkhead_vmm::config::{SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID};
+use bulkhead_vmm::config::{DiskConfig, SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID};
 
+use crate::jail::{self, Jail, JailError};
 use crate::mounts::{self, Mount, MountError};
 use crate::paths;
 use crate::phases::{self, PhaseClock, Timings, REPORT_FILE};
@@ -92,6 +93,9 @@ pub enum Error {
     /// The workspace is unusable ([`SandboxConfig::workspace`]), or its diff or export failed.
     #[error(transparent)]
     Workspace(#[from] WorkspaceError),
+    /// The VMM cannot be jailed ([`SandboxConfig::jail`]).
+    #[error(transparent)]
+    Jail(#[from] JailError),
 }
 
 /// What a sandbox boots and with which resources.
@@ -129,6 +133,11 @@ pub struct SandboxConfig {
     /// A host project directory at `/workspace`, direct or clone (see
     /// [`workspace`](crate::workspace)). Checked when the sandbox starts.
     pub workspace: Option<Workspace>,
+    /// Jail the VMM when this process runs as root (effective uid 0): own namespaces, a private
+    /// root, an unprivileged uid/gid, no capabilities (see [`jail`](crate::jail)). On by
+    /// default (`BULKHEAD_JAIL=off` turns the default off, for debugging). Without root the VMM
+    /// is never jailed.
+    pub jail: bool,
 }
 
 impl Default for SandboxConfig {
@@ -147,6 +156,7 @@ impl Default for SandboxConfig {
             cgroup_procs: Vec::new(),
             mounts: Vec::new(),
             workspace: None,
+            jail: jail::wanted_by_default(),
         }
     }
 }
@@ -215,13 +225,19 @@ impl Sandbox {
             source,
         })?;
         let config_path = dir.path().join("vm.json");
-        write_vm_config(config, &disks, &ws, &uds_path, &config_path)?;
+        let vm = write_vm_config(config, &disks, &ws, &uds_path, &config_path)?;
+        jail::make_vmm_dir(dir.path())?;
+        let jail_args = match jail::active(config.jail) {
+            true => Jail::prepare(dir.path(), &vm, &ready_path)?.args(),
+            false => Vec::new(),
+        };
         let log_path = dir.path().join("vmm.log");
         let report_path = dir.path().join(REPORT_FILE);
         let options = SpawnOptions {
             kill_on_parent_exit: config.kill_on_parent_exit,
             cgroup_procs: &config.cgroup_procs,
             timings_json: Some(&report_path),
+            extra_args: &jail_args,
         };
         let mut child = process::spawn_vmm(&config.vmm_binary, &config_path, &log_path, options)
             .map_err(|source| Error::Spawn {
@@ -314,7 +330,8 @@ impl Sandbox {
         &self.uds_path
     }
 
-    /// Process ID of the sandbox's `bulkhead-vmm`.
+    /// Process ID of the sandbox's `bulkhead-vmm`: when jailed, its supervisor, whose only child
+    /// runs the VM (signals to either stop the VM; see [`jail`](crate::jail)).
     pub fn vmm_pid(&self) -> Option<u32> {
         self.child.as_ref().map(VmmProcess::pid)
     }
@@ -529,6 +546,8 @@ fn make_runtime_dir(parent: &Path) -> Result<tempfile::TempDir, Error> {
         source,
     };
     fs::create_dir_all(parent).map_err(err)?;
+    // Resolved, so that a jailed VMM finds the directory at the path its configuration names.
+    let parent = fs::canonicalize(parent).map_err(err)?;
     tempfile::Builder::new()
         .prefix("sb-")
         .tempdir_in(parent)
@@ -541,7 +560,7 @@ fn write_vm_config(
     ws: &workspace::Prepared,
     uds_path: &Path,
     path: &Path,
-) -> Result<(), Error> {
+) -> Result<VmConfig, Error> {
     let mut all_mounts = config.mounts.clone();
     all_mounts.extend(ws.mount.clone());
     let mut shared = mounts::prepare(&all_mounts)?;
@@ -558,18 +577,28 @@ fn write_vm_config(
         cmdline.push_str(extra);
     }
     let vm = VmConfig {
-        kernel: config.kernel.clone(),
-        initrd: Some(config.initrd.clone()),
+        kernel: jail::resolved(&config.kernel),
+        initrd: Some(jail::resolved(&config.initrd)),
         cmdline: Some(cmdline),
         vcpus: config.vcpus,
         memory_mib: config.memory_mib,
-        serial: config.console.clone(),
+        serial: match &config.console {
+            SerialOutput::File(file) => SerialOutput::File(jail::resolved(file)),
+            other => other.clone(),
+        },
         debugcon: None,
         vsock: Some(VsockConfig {
             guest_cid: DEFAULT_GUEST_CID,
             uds_path: uds_path.to_owned(),
         }),
-        disks: disks.disks.clone(),
+        disks: disks
+            .disks
+            .iter()
+            .map(|d| DiskConfig {
+                path: jail::resolved(&d.path),
+                ..d.clone()
+            })
+            .collect(),
         shares: shared.shares,
     };
     let json = serde_json::to_vec_pretty(&vm).map_err(|e| Error::RuntimeDir {
@@ -579,7 +608,8 @@ fn write_vm_config(
     fs::write(path, json).map_err(|source| Error::RuntimeDir {
         path: path.to_owned(),
         source,
-    })
+    })?;
+    Ok(vm)
 }
 
 fn wait_ready(

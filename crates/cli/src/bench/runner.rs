@@ -225,7 +225,7 @@ fn run_command(
 }
 
 fn sample_memory(sandbox: &Sandbox) -> Result<MemorySample, String> {
-    match (sandbox.vmm_pid(), sandbox.runtime_path()) {
+    match (sandbox.vm_pid(), sandbox.runtime_path()) {
         (Some(pid), Some(dir)) => rss::sample(pid, dir),
         _ => Err("the VMM has exited".into()),
     }

@@ -125,6 +125,7 @@ impl Manager {
             cgroup_procs: Vec::new(),
             mounts: plan.mounts.clone(),
             workspace: plan.workspace.clone(),
+            jail: true,
         }
     }
 
