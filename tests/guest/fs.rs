@@ -14,6 +14,7 @@ use std::time::Duration;
 use bulkhead_protocol::client::ExecOutput;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{ExportFormat, Mount, Sandbox, SandboxConfig, Workspace, WorkspaceMode};
+use bulkhead_tests::readonly::{attempts_script, WRITE_ATTEMPTS};
 use bulkhead_tests::{artifacts, describe, guest_test, sha256_hex};
 
 /// uid:gid the writable shares belong to on the host.
@@ -202,26 +203,12 @@ guest_test!(
         let sandbox = Sandbox::start(&config(vec![mount(tree.path("ro"), RO, true)])).unwrap();
         // Guest root lifts the guest-side read-only flag: only the host stands in the way.
         sh_ok(&sandbox, "mount -o remount,rw /mnt/ro");
-        let attempts = [
-            "echo x > new",
-            "echo x > a.txt",
-            "echo x >> a.txt",
-            "truncate -s 0 a.txt",
-            "bulkhead-test-init mmap-write a.txt 0 Z",
-            "mv a.txt moved",
-            "rm a.txt",
-            "mkdir newdir",
-            "rmdir sub",
-            "ln -s a.txt symlink",
-            "ln a.txt hardlink",
-            "chmod 600 a.txt",
-            "touch a.txt",
-            "mknod fifo p",
-        ];
-        let script: String = attempts
+        let attempts: Vec<&str> = WRITE_ATTEMPTS
             .iter()
-            .map(|op| format!("if out=$( ({op}) 2>&1); then echo \"OK {op}\"; else echo \"ERR {op}: $out\"; fi\n"))
+            .copied()
+            .chain(["bulkhead-test-init mmap-write a.txt 0 Z"])
             .collect();
+        let script = attempts_script(&attempts);
 
         // Act
         let results = sh_ok(&sandbox, &format!("cd /mnt/ro\n{script}"));
