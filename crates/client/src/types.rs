@@ -195,7 +195,8 @@ pub struct SandboxInfo {
     pub mounts: Vec<MountSpec>,
     /// Host limits of the VMM process.
     pub limits: Limits,
-    /// Host process ID of the VMM while it runs.
+    /// Host process ID of the VMM while it runs: with the jail (a daemon running as root), the
+    /// jail's supervisor, whose only child runs the VM; signals to it reach the VM's process.
     pub vmm_pid: Option<u32>,
     /// Set in state `failed`.
     pub failure: Option<Failure>,
