@@ -37,7 +37,8 @@ pub struct RunArgs {
     /// Guest memory, MiB (within the VMM's limits).
     #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = parse_memory)]
     memory: u32,
-    /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux].
+    /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux, Image on
+    /// aarch64].
     #[arg(long, value_name = "PATH")]
     kernel: Option<PathBuf>,
     /// Initramfs with the bulkhead agent as /init [default: $BULKHEAD_INITRD or

@@ -3,7 +3,7 @@
 //! | what | default | override |
 //! |---|---|---|
 //! | data dir | `$XDG_DATA_HOME/bulkhead` or `~/.local/share/bulkhead` | `BULKHEAD_DATA_DIR` |
-//! | kernel | `<data>/kernel/<arch>/vmlinux` | `BULKHEAD_KERNEL`, `--kernel` |
+//! | kernel | `<data>/kernel/<arch>/vmlinux` (`Image` on aarch64) | `BULKHEAD_KERNEL`, `--kernel` |
 //! | initramfs | `<data>/images/default/initramfs.cpio.gz` | `BULKHEAD_INITRD`, `--initrd` |
 //! | runtime dir | `$XDG_RUNTIME_DIR/bulkhead` or `/tmp/bulkhead-<uid>` | `BULKHEAD_RUNTIME_DIR` |
 //!
@@ -14,6 +14,16 @@ use std::path::PathBuf;
 
 /// The architecture directory name used under `<data>/kernel/`.
 pub const ARCH: &str = std::env::consts::ARCH;
+
+/// The kernel file `scripts/build-kernel.sh` leaves under `<data>/kernel/<arch>/` that the VMM
+/// boots: the ELF `vmlinux` on x86_64, the arm64 boot `Image` on aarch64 (the VMM loads no ELF
+/// there; see `Documentation/arch/arm64/booting.rst`).
+#[cfg(not(target_arch = "aarch64"))]
+pub const KERNEL_FILE: &str = "vmlinux";
+/// The kernel file `scripts/build-kernel.sh` leaves under `<data>/kernel/<arch>/` that the VMM
+/// boots: the arm64 boot `Image` (the VMM loads no ELF on aarch64).
+#[cfg(target_arch = "aarch64")]
+pub const KERNEL_FILE: &str = "Image";
 
 fn env_path(name: &str) -> Option<PathBuf> {
     env::var_os(name)
@@ -34,10 +44,10 @@ fn home() -> PathBuf {
     env_path("HOME").unwrap_or_else(|| PathBuf::from("/"))
 }
 
-/// The default guest kernel.
+/// The default guest kernel: `BULKHEAD_KERNEL`, else `<data>/kernel/<arch>/`[`KERNEL_FILE`].
 pub fn default_kernel() -> PathBuf {
     env_path("BULKHEAD_KERNEL")
-        .unwrap_or_else(|| data_dir().join("kernel").join(ARCH).join("vmlinux"))
+        .unwrap_or_else(|| data_dir().join("kernel").join(ARCH).join(KERNEL_FILE))
 }
 
 /// The default initramfs (the agent as PID 1 plus busybox).
