@@ -7,6 +7,9 @@
 #   VMM_ARGS="--seccomp log" scripts/arm64-smoke.sh
 #   GUEST=devices scripts/arm64-smoke.sh  busybox guest probing a virtio-blk disk, a read-only
 #                                          virtio-fs share and virtio-vsock, then `reboot -f`
+#   GUEST=run scripts/arm64-smoke.sh
+#                                          `bulkhead run` (CLI, sandbox, agent, vsock) instead of
+#                                          bulkhead-vmm alone, see below
 #
 # Chain: QEMU (qemu-system-aarch64 -M virt,virtualization=on,gic-version=3 -cpu max, TCG) boots
 # Debian's arm64 kernel package (KVM built in, so the emulated host has /dev/kvm) with a busybox
@@ -20,6 +23,23 @@
 # rebooted through PSCI SYSTEM_RESET, which ends the VMM) followed by
 # `arm64-smoke: bulkhead-vmm exited with status 0`; the script fails otherwise.
 #
+# GUEST=run: the host initramfs also holds the `bulkhead` CLI (aarch64-unknown-linux-gnu, with
+# its shared libraries), and the guest initramfs is the default image the way scripts/setup.sh
+# builds it on x86_64: the guest agent (aarch64-unknown-linux-musl) as /init plus Debian's arm64
+# busybox-static (scripts/build-initramfs.sh --busybox-bin). The host's /init sets
+# BULKHEAD_VMM=/bin/bulkhead-vmm and HOME=/root and runs, as root (so each VMM is jailed),
+#   bulkhead run --boot-timeout $VMM_TIMEOUT --console /tmp/NAME.console -- uname -m
+# with the default kernel and image (symlinks in /root/.local/share/bulkhead/: kernel/aarch64/Image,
+# images/default/initramfs.cpio.gz), then with BULKHEAD_KERNEL=/guest/Image
+# BULKHEAD_INITRD=/guest/initramfs.cpio.gz
+#   bulkhead run ... -- sh -c 'echo out; echo err >&2; exit 7'
+# each with stdout and stderr in files. Success is exactly the lines
+#   arm64-smoke: run uname: status 0, stdout [aarch64], stderr []
+#   arm64-smoke: run exit7: status 7, stdout [out], stderr [err]
+# (the guest console is printed after a run whose status is not the expected one).
+# RUN_ARGS adds `bulkhead run` arguments, RUN_ENV environment assignments for it (e.g.
+# RUN_ENV="BULKHEAD_SECCOMP=log BULKHEAD_JAIL=off BULKHEAD_LOG=debug").
+#
 # Idempotent: Debian packages (apt-get download, unpacked with dpkg -x) are cached under
 # ${XDG_CACHE_HOME:-~/.cache}/bulkhead/arm64-smoke/, cargo builds go to target/aarch64, the guest
 # kernel is cached by build-kernel.sh. The console log of the last run is
@@ -27,11 +47,11 @@
 # Needs root (or sudo) only to install missing packages and to add the arm64 dpkg architecture.
 # The QEMU run is serialised with `flock /tmp/bulkhead-arm64.lock` and runs under `nice -n 10`.
 #
-# Environment: GUEST (test-init|devices, default test-init), PROFILE (debug|release, default
+# Environment: GUEST (test-init|devices|run, default test-init), PROFILE (debug|release, default
 # debug), VCPUS (guest vCPUs, default 1; the
 # emulated host has 2 CPUs), VMM_ARGS (extra bulkhead-vmm arguments),
 # GUEST_CMDLINE (passed as --cmdline when set), VMM_TIMEOUT (seconds, default 120),
-# QEMU_TIMEOUT (seconds, default 900).
+# QEMU_TIMEOUT (seconds, default 900); GUEST=run only: RUN_ARGS, RUN_ENV (see above).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -111,6 +131,11 @@ build_binaries() {
     nice -n 10 cargo build --quiet "${release[@]}" --target "$GNU_TARGET" -p bulkhead-vmm --bins
     log "cargo build bulkhead-test-init ($MUSL_TARGET, release)"
     nice -n 10 cargo build --quiet --release --target "$MUSL_TARGET" -p bulkhead-test-init
+    [[ "$GUEST" == run ]] || return 0
+    log "cargo build bulkhead ($GNU_TARGET, $PROFILE)"
+    nice -n 10 cargo build --quiet "${release[@]}" --target "$GNU_TARGET" -p bulkhead-cli --bin bulkhead
+    log "cargo build bulkhead-agent ($MUSL_TARGET, release)"
+    nice -n 10 cargo build --quiet --release --target "$MUSL_TARGET" -p bulkhead-agent
 }
 
 # Copies the shared libraries ELF $1 needs (recursively) from the cross sysroot into $2/lib.
@@ -162,13 +187,47 @@ mkdir -p /tmp/share && echo hello-from-host >/tmp/share/hello.txt
 HOST_SETUP
 }
 
-# The emulated host's /init: mount, report KVM, run the VMM, power off.
-write_host_init() {
+# GUEST=run: host /init lines that run `bulkhead run ... -- $2..` with stdout and stderr in files
+# and print `arm64-smoke: run NAME: status N, stdout [..], stderr [..]`, plus the guest console
+# when the status is not the expected one. $1 is NAME:EXPECTED_STATUS.
+host_run_command() {
+    local name="${1%%:*}" want="${1#*:}"
+    shift
+    cat <<HOST_RUN
+echo "arm64-smoke: running: bulkhead run ${RUN_ARGS:-} -- $*"
+timeout $VMM_TIMEOUT /bin/bulkhead run --boot-timeout $VMM_TIMEOUT --console /tmp/$name.console \\
+    --vcpus $VCPUS ${RUN_ARGS:-} -- $* >/tmp/$name.out 2>/tmp/$name.err
+status=\$?
+echo "arm64-smoke: run $name: status \$status, stdout [\$(cat /tmp/$name.out)], stderr [\$(cat /tmp/$name.err)]"
+[ "\$status" = $want ] || cat /tmp/$name.console
+HOST_RUN
+}
+
+# The commands of the emulated host's /init: the VMM once, or `bulkhead run` twice (GUEST=run).
+host_commands() {
+    if [[ "$GUEST" == run ]]; then
+        # The first run finds kernel and image at their default paths under HOME (see
+        # build_host_initramfs), the second through the environment.
+        echo "export BULKHEAD_VMM=/bin/bulkhead-vmm HOME=/root ${RUN_ENV:-}"
+        host_run_command uname:0 uname -m
+        echo "export BULKHEAD_KERNEL=/guest/Image BULKHEAD_INITRD=/guest/initramfs.cpio.gz"
+        host_run_command exit7:7 sh -c "'echo out; echo err >&2; exit 7'"
+        return 0
+    fi
     local vmm_cmd="/bin/bulkhead-vmm --kernel /guest/Image --initrd /guest/initramfs.cpio.gz"
     vmm_cmd+=" --memory 256 --vcpus $VCPUS --serial stdout ${VMM_ARGS:-}"
     if [[ "$GUEST" == devices ]]; then
         vmm_cmd+=" --disk /tmp/disk.img --share share=/tmp/share:ro --vsock-uds /tmp/vsock.sock"
     fi
+    cat <<HOST_VMM
+echo "arm64-smoke: running: $vmm_cmd${GUEST_CMDLINE:+ --cmdline '$GUEST_CMDLINE'}"
+timeout $VMM_TIMEOUT $vmm_cmd ${GUEST_CMDLINE:+--cmdline "$GUEST_CMDLINE"}
+echo "arm64-smoke: bulkhead-vmm exited with status \$?"
+HOST_VMM
+}
+
+# The emulated host's /init: mount, report KVM, run the VMM or `bulkhead run`, power off.
+write_host_init() {
     cat >"$1" <<EOF
 #!/bin/sh
 mount -t proc proc /proc
@@ -177,9 +236,7 @@ mount -t devtmpfs dev /dev
 $(host_device_setup)
 echo "arm64-smoke: host kernel \$(uname -r); \$(dmesg | grep -m1 -i 'kvm.*initialized' || echo 'no KVM init message')"
 ls -l /dev/kvm
-echo "arm64-smoke: running: $vmm_cmd${GUEST_CMDLINE:+ --cmdline '$GUEST_CMDLINE'}"
-timeout $VMM_TIMEOUT $vmm_cmd ${GUEST_CMDLINE:+--cmdline "$GUEST_CMDLINE"}
-echo "arm64-smoke: bulkhead-vmm exited with status \$?"
+$(host_commands)
 poweroff -f
 EOF
     chmod 0755 "$1"
@@ -191,7 +248,7 @@ build_host_initramfs() {
     stage="$(mktemp -d)"
     STAGE="$stage" # removed on exit, see main
     chmod 0755 "$stage"
-    mkdir -p "$stage"/{bin,sbin,lib,dev,proc,sys,tmp,guest}
+    mkdir -p "$stage"/{bin,sbin,lib,dev,proc,sys,tmp,guest,root}
     install -m 0755 "$busybox_dir/bin/busybox" "$stage/bin/busybox"
     for applet in sh mount ls cat echo dmesg grep timeout poweroff uname dd printf mkdir; do
         ln -s busybox "$stage/bin/$applet"
@@ -199,6 +256,16 @@ build_host_initramfs() {
     aarch64-linux-gnu-strip -o "$stage/bin/bulkhead-vmm" \
         "$CARGO_TARGET_DIR/$GNU_TARGET/$PROFILE/bulkhead-vmm"
     copy_shared_libs "$stage/bin/bulkhead-vmm" "$stage"
+    if [[ "$GUEST" == run ]]; then
+        aarch64-linux-gnu-strip -o "$stage/bin/bulkhead" \
+            "$CARGO_TARGET_DIR/$GNU_TARGET/$PROFILE/bulkhead"
+        copy_shared_libs "$stage/bin/bulkhead" "$stage"
+        # The default kernel and image of `bulkhead run` (HOME=/root, crates/sandbox/src/paths.rs).
+        local data="$stage/root/.local/share/bulkhead"
+        mkdir -p "$data/kernel/aarch64" "$data/images/default"
+        ln -s /guest/Image "$data/kernel/aarch64/Image"
+        ln -s /guest/initramfs.cpio.gz "$data/images/default/initramfs.cpio.gz"
+    fi
     cp "$guest_image" "$stage/guest/Image"
     cp "$guest_initrd" "$stage/guest/initramfs.cpio.gz"
     write_host_init "$stage/init"
@@ -245,12 +312,31 @@ main() {
         guest_initrd="$CACHE/guest-devices.cpio.gz"
         build_devices_guest "$busybox_dir"
         ;;
-    *) die "unknown GUEST=$GUEST (test-init or devices)" ;;
+    run)
+        guest_initrd="$CACHE/guest-run.cpio.gz"
+        scripts/build-initramfs.sh --out "$guest_initrd" --busybox-bin "$busybox_dir/bin/busybox" \
+            --init "$CARGO_TARGET_DIR/$MUSL_TARGET/release/bulkhead-agent"
+        ;;
+    *) die "unknown GUEST=$GUEST (test-init, devices or run)" ;;
     esac
     build_host_initramfs "$busybox_dir" "$guest_dir/Image" "$guest_initrd"
     run_qemu "$host_image"
-    grep -q '^arm64-smoke: bulkhead-vmm exited with status 0' "$CACHE/console.log" ||
-        die "bulkhead-vmm did not exit with status 0 (see $CACHE/console.log)"
+    check_console "$CACHE/console.log"
+}
+
+# Fails unless console log $1 ends the way the GUEST mode should.
+check_console() {
+    local console
+    console="$(tr -d '\r' <"$1")"
+    if [[ "$GUEST" != run ]]; then
+        grep -q '^arm64-smoke: bulkhead-vmm exited with status 0' <<<"$console" ||
+            die "bulkhead-vmm did not exit with status 0 (see $1)"
+        return 0
+    fi
+    grep -qxF 'arm64-smoke: run uname: status 0, stdout [aarch64], stderr []' <<<"$console" ||
+        die "bulkhead run -- uname -m did not print aarch64 and exit 0 (see $1)"
+    grep -qxF 'arm64-smoke: run exit7: status 7, stdout [out], stderr [err]' <<<"$console" ||
+        die "bulkhead run -- sh -c '...; exit 7' did not print out/err and exit 7 (see $1)"
 }
 
 main "$@"
