@@ -74,7 +74,8 @@ pub struct Config {
     pub runtime_dir: Option<PathBuf>,
     /// The `bulkhead-vmm` binary. Default: `$BULKHEAD_VMM`, else next to `bulkheadd`, else `PATH`.
     pub vmm_binary: PathBuf,
-    /// Default guest kernel. Default `$BULKHEAD_KERNEL` or `<data dir>/kernel/<arch>/vmlinux`.
+    /// Default guest kernel. Default `$BULKHEAD_KERNEL` or `<data dir>/kernel/<arch>/vmlinux`
+    /// (`Image` on aarch64).
     pub kernel: PathBuf,
     /// The initramfs every VM boots (the agent as `/init`; with a root filesystem image it
     /// mounts the image and moves into it). Default `$BULKHEAD_INITRD` or
