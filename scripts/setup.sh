@@ -7,7 +7,8 @@
 # Installs the Debian packages it needs (with sudo when not root), the Rust musl target, builds the
 # guest kernel (cached under ~/.cache/bulkhead, keyed by its inputs), the binaries, and the default
 # guest image (the bulkhead agent as /init plus busybox) into ~/.local/share/bulkhead, and links
-# the binaries into ~/.local/bin.
+# the binaries into ~/.local/bin. The guest kernel and agent are built for this host's
+# architecture (x86_64 or aarch64); the nested test host exists for x86_64 hosts only.
 #
 # Where this host's KVM cannot boot a stock Linux kernel (e.g. kvm_pvm), the main job runs inside
 # the nested test host (QEMU with a KVM-capable Debian kernel) and says so.
@@ -19,16 +20,24 @@ RUN_MAIN_JOB=1
 [[ "${1:-}" == "--no-run" ]] && RUN_MAIN_JOB=0
 
 log() { printf '==> %s\n' "$*" >&2; }
+ARCH="$(uname -m)"
+case "$ARCH" in
+    x86_64 | aarch64) ;;
+    *) echo "bulkhead: unsupported host architecture $ARCH (x86_64 or aarch64)" >&2; exit 1 ;;
+esac
+MUSL_TARGET="$ARCH-unknown-linux-musl"
 SUDO=()
 [[ "$(id -u)" -eq 0 ]] || SUDO=(sudo)
 
 # Debian packages: QEMU + busybox + cpio for the test host and images, mmdebstrap for the Debian
 # root file-system image, a C toolchain for -sys
 # crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps).
-PKGS=(qemu-system-x86 busybox-static cpio gzip gcc make util-linux e2fsprogs mmdebstrap)
+PKGS=(busybox-static cpio gzip gcc make util-linux e2fsprogs mmdebstrap)
+# The nested test host (QEMU emulating an x86_64 machine with AMD SVM) is for x86_64 hosts.
+[[ "$ARCH" != x86_64 ]] || PKGS+=(qemu-system-x86)
 # The aarch64 cross toolchain (linker for the aarch64 Rust targets, see .cargo/config.toml; C
 # library for -sys crates) on hosts that are not arm64 themselves.
-[[ "$(uname -m)" == aarch64 ]] || PKGS+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
+[[ "$ARCH" == aarch64 ]] || PKGS+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -46,16 +55,16 @@ rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1 || rustup target add
 rustup target add aarch64-unknown-linux-musl >/dev/null 2>&1 || rustup target add aarch64-unknown-linux-musl
 
 log "guest kernel (cached after the first build)"
-scripts/build-kernel.sh --arch x86_64 >/dev/null
+scripts/build-kernel.sh --arch "$ARCH" >/dev/null
 
 log "building bulkhead (release)"
 cargo build --release --quiet --bins
-cargo build --release --quiet -p bulkhead-agent --target x86_64-unknown-linux-musl
+cargo build --release --quiet -p bulkhead-agent --target "$MUSL_TARGET"
 
 DATA="${XDG_DATA_HOME:-$HOME/.local/share}/bulkhead"
 log "default guest image -> $DATA/images/default/initramfs.cpio.gz"
 scripts/build-initramfs.sh --busybox \
-    --init target/x86_64-unknown-linux-musl/release/bulkhead-agent \
+    --init "target/$MUSL_TARGET/release/bulkhead-agent" \
     --out "$DATA/images/default/initramfs.cpio.gz"
 
 BIN="$HOME/.local/bin"
@@ -68,7 +77,7 @@ log "binaries linked into $BIN (add it to PATH)"
 ((RUN_MAIN_JOB)) || exit 0
 
 log "main job: bulkhead run -- uname -a"
-if [[ -d /sys/module/kvm_intel || -d /sys/module/kvm_amd || ( "$(uname -m)" == aarch64 && -d /sys/module/kvm ) ]]; then
+if [[ -d /sys/module/kvm_intel || -d /sys/module/kvm_amd || ( "$ARCH" == aarch64 && -d /sys/module/kvm ) ]]; then
     exec "$ROOT/target/release/bulkhead" run -- uname -a
 fi
 echo "bulkhead: this host's KVM cannot boot a stock Linux guest (kvm_pvm or none); running the same command inside the nested test host" >&2
