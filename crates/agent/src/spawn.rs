@@ -145,6 +145,11 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
     if let Some(spec) = &req.user {
         let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
         let ids = user::resolve(spec, &passwd)?;
+        // The user's own HOME unless the request names one (without a user, root's
+        // environment is the request's alone).
+        if !req.env.iter().any(|e| e.starts_with("HOME=")) {
+            cmd.env("HOME", user::home_of(ids.uid, &passwd));
+        }
         cmd.uid(ids.uid).gid(ids.gid);
     }
     cmd.stdin(if req.stdin {
@@ -212,6 +217,33 @@ mod tests {
             libc::sigaddset(set.as_mut_ptr(), libc::SIGTERM);
             libc::pthread_sigmask(libc::SIG_BLOCK, set.as_ptr(), std::ptr::null_mut());
         }
+    }
+
+    /// A request for `echo $HOME` as this test's own uid and gid (allowed without root).
+    fn echo_home_as_myself(env: &[&str]) -> (ExecRequest, u32) {
+        // SAFETY: getuid and getgid have no preconditions.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let mut req = ExecRequest::new(["sh", "-c", "echo \"$HOME\""]);
+        req.user = Some(format!("{uid}:{gid}"));
+        req.env = env.iter().map(|e| (*e).to_owned()).collect();
+        (req, uid)
+    }
+
+    #[test]
+    fn a_user_gets_the_home_of_its_passwd_entry_unless_the_request_sets_home() {
+        // Arrange
+        let (plain, uid) = echo_home_as_myself(&[]);
+        let (explicit, _) = echo_home_as_myself(&["HOME=/srv/x"]);
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+
+        // Act
+        let plain = build_command(&plain).unwrap().output().unwrap();
+        let explicit = build_command(&explicit).unwrap().output().unwrap();
+
+        // Assert
+        let expected = format!("{}\n", user::home_of(uid, &passwd));
+        assert_eq!(String::from_utf8_lossy(&plain.stdout), expected);
+        assert_eq!(explicit.stdout, b"/srv/x\n");
     }
 
     #[test]

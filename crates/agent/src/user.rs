@@ -25,6 +25,7 @@ struct PasswdEntry<'a> {
     name: &'a str,
     uid: u32,
     gid: u32,
+    home: &'a str,
 }
 
 fn entries(passwd: &str) -> impl Iterator<Item = PasswdEntry<'_>> {
@@ -34,7 +35,13 @@ fn entries(passwd: &str) -> impl Iterator<Item = PasswdEntry<'_>> {
         let _password = fields.next()?;
         let uid = fields.next()?.parse().ok()?;
         let gid = fields.next()?.parse().ok()?;
-        Some(PasswdEntry { name, uid, gid })
+        let home = fields.nth(1).unwrap_or_default();
+        Some(PasswdEntry {
+            name,
+            uid,
+            gid,
+            home,
+        })
     })
 }
 
@@ -65,6 +72,17 @@ pub fn resolve(spec: &str, passwd: &str) -> Result<Ids, UserError> {
             gid: e.gid,
         })
         .ok_or_else(|| UserError::UnknownName(spec.to_owned()))
+}
+
+/// The home directory of `uid` for the command's `HOME`: the home field of the first
+/// `/etc/passwd` entry (contents `passwd`) with that uid, or `/` when there is none or it is
+/// empty (as login(1) falls back to `/`).
+pub fn home_of(uid: u32, passwd: &str) -> &str {
+    entries(passwd)
+        .find(|e| e.uid == uid)
+        .map(|e| e.home)
+        .filter(|home| !home.is_empty())
+        .unwrap_or("/")
 }
 
 #[cfg(test)]
@@ -111,6 +129,20 @@ mod tests {
                 gid: 4242
             })
         );
+    }
+
+    #[test]
+    fn home_comes_from_the_uids_passwd_entry_or_is_the_root_directory() {
+        // Arrange
+        let passwd = format!(
+            "{PASSWD}nobody:x:65534:65534:nobody:/nonexistent:/bin/false\nhomeless:x:7:7::"
+        );
+
+        // Act / Assert
+        assert_eq!(home_of(1000, &passwd), "/home/alice");
+        assert_eq!(home_of(65534, &passwd), "/nonexistent");
+        assert_eq!(home_of(7, &passwd), "/");
+        assert_eq!(home_of(4242, &passwd), "/");
     }
 
     #[test]
