@@ -7,7 +7,9 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use bulkhead_client::{Client, CreateSandbox, ExecEvent, ExecSpec, SandboxInfo};
+use bulkhead_client::{
+    Client, CreateSandbox, ExecEvent, ExecSpec, SandboxInfo, MAX_EXEC_STDIN_BYTES,
+};
 use bulkhead_sandbox::{Mount, Workspace};
 
 use crate::workspace_cmds::{mount_spec, workspace_spec};
@@ -108,7 +110,8 @@ pub struct ExecArgs {
     /// Kill the command after this many seconds (exit status 124).
     #[arg(long, value_name = "SECS")]
     timeout: Option<f64>,
-    /// Send all of our stdin to the command (read before it starts).
+    /// Send all of our stdin to the command (read before it starts; at most 756 KiB, larger
+    /// inputs go in with `bulkhead cp`).
     #[arg(long, short = 'i')]
     stdin: bool,
     /// The sandbox.
@@ -275,10 +278,7 @@ pub fn exec(args: ExecArgs) -> ExitCode {
         spec.user = args.user;
         spec.timeout_s = args.timeout;
         if args.stdin {
-            let mut input = Vec::new();
-            std::io::stdin()
-                .read_to_end(&mut input)
-                .map_err(|e| format!("reading stdin: {e}"))?;
+            let input = read_exec_stdin(std::io::stdin().lock())?;
             use base64::Engine as _;
             spec.stdin = Some(base64::engine::general_purpose::STANDARD.encode(input));
         }
@@ -297,6 +297,26 @@ pub fn exec(args: ExecArgs) -> ExitCode {
             }
         }
     })
+}
+
+/// All of `input` for `exec -i`, refused with an explanation when it is larger than
+/// [`MAX_EXEC_STDIN_BYTES`] (reads at most one byte more than that): it travels base64 in the
+/// JSON request body, whose size the daemon limits.
+fn read_exec_stdin(input: impl Read) -> Result<Vec<u8>, String> {
+    let mut bytes = Vec::new();
+    input
+        .take(MAX_EXEC_STDIN_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("reading stdin: {e}"))?;
+    if bytes.len() > MAX_EXEC_STDIN_BYTES {
+        return Err(format!(
+            "stdin is larger than {MAX_EXEC_STDIN_BYTES} bytes ({} KiB), the most `exec -i` can send \
+             (it travels base64-encoded in a request body of at most 1 MiB); copy a large input into \
+             the sandbox with `bulkhead cp FILE ID:/path` and redirect the command's stdin from it",
+            MAX_EXEC_STDIN_BYTES >> 10
+        ));
+    }
+    Ok(bytes)
 }
 
 fn write_out(out: &mut impl Write, bytes: &[u8]) {
@@ -437,6 +457,23 @@ mod tests {
         assert_eq!(spec.mounts.len(), 2);
         assert!(spec.mounts[0].ro && !spec.mounts[1].ro);
         assert_eq!(spec.mounts[1].host, cwd.join("cache").display().to_string());
+    }
+
+    #[test]
+    fn exec_stdin_up_to_the_limit_is_sent_and_more_is_refused_naming_cp() {
+        // Arrange
+        let fits = vec![b'x'; MAX_EXEC_STDIN_BYTES];
+        let too_big = vec![b'x'; MAX_EXEC_STDIN_BYTES + 1];
+
+        // Act
+        let sent = read_exec_stdin(fits.as_slice());
+        let refused = read_exec_stdin(too_big.as_slice());
+
+        // Assert
+        assert_eq!(sent.unwrap().len(), MAX_EXEC_STDIN_BYTES);
+        let err = refused.unwrap_err();
+        assert!(err.contains("larger than 774144 bytes (756 KiB)"), "{err}");
+        assert!(err.contains("bulkhead cp"), "{err}");
     }
 
     #[test]

@@ -33,7 +33,7 @@ use hyper::{Method, StatusCode};
 pub use exec::{ExecEvent, ExecOutput, ExecStream};
 pub use types::{
     CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo, Failure,
-    FileWritten, Health, Limits, SandboxInfo, SandboxState,
+    FileWritten, Health, Limits, SandboxInfo, SandboxState, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 pub use workspace::{
     ChangeKind, ChangeStatus, ExportFormat, ExportReview, MountSpec, SkippedPath, WorkspaceChange,
@@ -389,6 +389,23 @@ mod tests {
 
         // Assert
         assert!(result.unwrap_err().to_string().contains("memroy_mib"));
+    }
+
+    #[test]
+    fn the_largest_stdin_fits_in_a_request_body() {
+        // Arrange
+        let mut spec = ExecSpec::new(["sh", "-c", "wc -c"]);
+        spec.env.insert("LANG".into(), "C.UTF-8".into());
+        spec.cwd = Some("/workspace".into());
+        let stdin = vec![0xff; MAX_EXEC_STDIN_BYTES];
+        spec.stdin = Some(base64::engine::general_purpose::STANDARD.encode(stdin));
+
+        // Act
+        let body = to_json(&spec).unwrap();
+
+        // Assert
+        assert!(body.len() <= MAX_JSON_BYTES, "{} bytes", body.len());
+        assert_eq!(MAX_EXEC_STDIN_BYTES, 774_144, "the figure in the docs");
     }
 
     #[test]

@@ -10,6 +10,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::workspace::{MountSpec, WorkspaceSpec};
 
+/// Largest JSON request body bulkheadd accepts, bytes (1 MiB); a larger one is refused with
+/// 413 `payload_too_large`.
+pub const MAX_JSON_BYTES: usize = 1 << 20;
+
+/// Room kept in an exec request body for everything but [`ExecSpec::stdin`] (argv, env, ...),
+/// bytes (16 KiB).
+const EXEC_SPEC_ROOM: usize = 16 << 10;
+
+/// Most raw bytes [`ExecSpec::stdin`] may carry: 774 144 (756 KiB). Base64 turns every 3
+/// bytes into 4, and the body ([`MAX_JSON_BYTES`]) keeps 16 KiB for the rest of the spec.
+/// Larger inputs go in as a file (`PUT .../files`, `bulkhead cp`).
+pub const MAX_EXEC_STDIN_BYTES: usize = (MAX_JSON_BYTES - EXEC_SPEC_ROOM) / 4 * 3;
+
 /// Default vCPU count of a sandbox.
 pub const DEFAULT_VCPUS: u8 = 1;
 /// Default guest RAM of a sandbox, MiB.
@@ -218,8 +231,8 @@ pub struct ExecSpec {
     /// Guest user: name, uid or uid:gid; root when absent.
     #[serde(default)]
     pub user: Option<String>,
-    /// Base64 bytes fed to the command's stdin, followed by end of file. Absent: stdin is
-    /// `/dev/null`.
+    /// Base64 bytes fed to the command's stdin, followed by end of file, at most
+    /// [`MAX_EXEC_STDIN_BYTES`] before encoding. Absent: stdin is `/dev/null`.
     #[serde(default)]
     pub stdin: Option<String>,
     /// Seconds after which the command's whole process group is killed (`exit.timed_out`).

@@ -15,8 +15,9 @@ use utoipa::OpenApi;
 
 use crate::manager::Manager;
 
-/// Largest JSON request body, bytes (1 MiB).
-pub const MAX_JSON_BYTES: usize = 1 << 20;
+/// Largest JSON request body, bytes (1 MiB; shared with the client, which checks exec stdin
+/// against it before sending).
+pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
 
 /// The OpenAPI document of this API.
 #[derive(Debug, OpenApi)]
