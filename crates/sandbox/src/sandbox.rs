@@ -70,7 +70,7 @@ pub enum Error {
         log: String,
     },
     /// The agent did not announce itself in time; the VM was destroyed.
-    #[error("the guest agent was not ready within {0:?}; the VM was destroyed (does the kernel have virtio-vsock, and is the initramfs's /init the bulkhead agent?)")]
+    #[error("the guest agent was not ready within {0:?}; the VM was destroyed (a loaded or nested host can take minutes to boot a guest, so raise `bulkhead run --boot-timeout`, the daemon's `boot_timeout_s` or `SandboxConfig::ready_timeout`; if it never boots, check that the kernel has virtio-vsock and that the initramfs's /init is the bulkhead agent)")]
     ReadyTimeout(Duration),
     /// The agent's announcement was invalid.
     #[error("bad readiness announcement from the guest agent: {0}")]
@@ -725,6 +725,9 @@ mod tests {
         let err = Sandbox::start(&config).unwrap_err();
 
         assert!(matches!(err, Error::ReadyTimeout(_)), "{err}");
+        assert!(err
+            .to_string()
+            .contains("raise `bulkhead run --boot-timeout`"));
         let pid: i32 = fs::read_to_string(&pidfile)
             .unwrap()
             .trim()
