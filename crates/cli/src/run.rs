@@ -8,7 +8,7 @@ use std::thread;
 use std::time::Duration;
 
 use bulkhead_image::StoreError;
-use bulkhead_protocol::client::{ExecEvent, ExecWriter};
+use bulkhead_protocol::client::{ExecEvent, ExecWriter, DEFAULT_TIMEOUT};
 use bulkhead_protocol::{ExecRequest, ExitStatus};
 use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, Workspace};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
@@ -169,8 +169,9 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     config.runtime_dir = run_dir.path().to_owned();
     let router = SignalRouter::install(run_dir.path().to_owned())?;
     let mut sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
-    let outcome =
-        run_command(&sandbox, &request, &router).map_err(|e| explain_vm_end(&mut sandbox, e));
+    let patience = agent_patience(args.boot_timeout);
+    let outcome = run_command(&sandbox, &request, &router, patience)
+        .map_err(|e| explain_vm_end(&mut sandbox, e));
     let exported = match (&outcome, &export_to) {
         (Ok(_), Some(target)) => run_export::export(&sandbox, target),
         _ => Ok(()),
@@ -246,8 +247,8 @@ pub(crate) fn require_bootable_kvm(verb: &str) -> Result<(), String> {
 }
 
 /// Like [`require_bootable_kvm`] for `bulkhead run`: the suggested command repeats `words` (the
-/// user's own arguments after `bulkhead`, shell-quoted) and also shares the directories that
-/// `--workspace` and `--mount` name.
+/// user's own arguments after `bulkhead`, shell-quoted) and also shares the directories it
+/// reads and writes ([`extra_shares`]).
 fn require_bootable_kvm_for(words: &[String], args: &RunArgs) -> Result<(), String> {
     let kvm = host_kvm();
     if kvm.can_boot_stock_kernel() {
@@ -272,17 +273,23 @@ fn user_words() -> Vec<String> {
         .collect()
 }
 
-/// Host directories of `--workspace` and `--mount` that the test host must share too (the
-/// current directory always is; relative paths are resolved inside it).
+/// Host directories the test host must share too (the current directory always is; relative
+/// paths are resolved inside it): the absolute directories of `--workspace` and `--mount`, and
+/// the directories that will hold the absolute `--export-patch`, `--export-tar` and `--console`
+/// files (else those would be written inside the test host and lost). Each directory once, in
+/// that order; `/` is left out (the test host cannot share its own root).
 fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
-    let mounts = args.mounts.iter().map(|m| &m.host);
-    args.workspace
-        .iter()
-        .map(|w| &w.host)
-        .chain(mounts)
-        .filter(|p| p.is_absolute())
-        .cloned()
-        .collect()
+    let dirs = args.workspace.iter().map(|w| w.host.as_path());
+    let dirs = dirs.chain(args.mounts.iter().map(|m| m.host.as_path()));
+    let files = [&args.export_patch, &args.export_tar, &args.console];
+    let file_dirs = files.into_iter().flatten().filter_map(|f| f.parent());
+    let mut shares: Vec<PathBuf> = Vec::new();
+    for dir in dirs.chain(file_dirs) {
+        if dir.is_absolute() && dir != Path::new("/") && !shares.iter().any(|s| s == dir) {
+            shares.push(dir.to_owned());
+        }
+    }
+    shares
 }
 
 /// Quotes `word` for a POSIX shell (`shlex`), leaving words of only safe characters bare. A
@@ -358,7 +365,7 @@ pub(crate) fn resolve_image(value: &str) -> Result<PathBuf, String> {
 
 fn exec_request(args: &RunArgs) -> Result<ExecRequest, String> {
     let mut request = ExecRequest::new(args.command.clone());
-    request.env = default_env(&args.env);
+    request.env = default_env(&args.env, args.user.is_none());
     request.cwd = match (&args.workdir, &args.workspace) {
         (Some(dir), _) => Some(dir.clone()),
         (None, Some(_)) => Some(bulkhead_sandbox::workspace::GUEST_DIR.to_owned()),
@@ -375,13 +382,17 @@ fn exec_request(args: &RunArgs) -> Result<ExecRequest, String> {
     Ok(request)
 }
 
-/// The guest command's environment: a sensible base (PATH, HOME, TERM) overridden by `-e`.
-fn default_env(overrides: &[String]) -> Vec<String> {
+/// The guest command's environment: a sensible base (PATH, TERM, and HOME=/root when it runs
+/// as root, i.e. `as_root`) overridden by `-e`. For another `--user` the agent sets HOME from
+/// the guest's /etc/passwd.
+fn default_env(overrides: &[String], as_root: bool) -> Vec<String> {
     let mut env = vec![
         "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
-        "HOME=/root".to_owned(),
         "TERM=dumb".to_owned(),
     ];
+    if as_root {
+        env.push("HOME=/root".to_owned());
+    }
     for kv in overrides {
         let key = kv.split('=').next().unwrap_or_default();
         env.retain(|e| e.split('=').next() != Some(key));
@@ -390,12 +401,28 @@ fn default_env(overrides: &[String]) -> Vec<String> {
     env
 }
 
+/// How long connecting to the agent and each blocking read or write of the exec request may
+/// take (not the wait for the command's output): the boot timeout (`--boot-timeout`, seconds
+/// on the command line), and never less than the client's default [`DEFAULT_TIMEOUT`] (10 s).
+/// A guest that has just announced itself on a loaded or nested host can need far longer than
+/// 10 s to answer, and `--boot-timeout` is how long the user agreed to wait for the guest.
+fn agent_patience(boot_timeout: Duration) -> Duration {
+    boot_timeout.max(DEFAULT_TIMEOUT)
+}
+
+/// Runs `request` in `sandbox` with our stdin forwarded and its output streamed; connecting
+/// and each blocking read or write of the request may take up to `patience`.
 fn run_command(
     sandbox: &Sandbox,
     request: &ExecRequest,
     router: &SignalRouter,
+    patience: Duration,
 ) -> Result<ExitStatus, String> {
-    let session = sandbox.exec(request).map_err(|e| e.to_string())?;
+    let session = sandbox
+        .client()
+        .with_timeout(patience)
+        .exec(request)
+        .map_err(|e| e.to_string())?;
     let (writer, mut reader) = session.split();
     router.command_started(writer.clone());
     forward_stdin(writer);
@@ -524,11 +551,21 @@ mod tests {
 
     #[test]
     fn env_overrides_replace_defaults() {
-        let env = default_env(&["PATH=/x".into(), "A=b=c".into()]);
+        let env = default_env(&["PATH=/x".into(), "A=b=c".into()], true);
 
         assert!(env.contains(&"PATH=/x".to_owned()));
         assert!(!env.iter().any(|e| e.starts_with("PATH=/usr")));
         assert!(env.contains(&"A=b=c".to_owned()));
+        assert!(env.contains(&"HOME=/root".to_owned()));
+    }
+
+    #[test]
+    fn another_user_gets_no_default_home_so_the_agent_sets_its_own() {
+        let env = default_env(&[], false);
+        let explicit = default_env(&["HOME=/tmp".into()], false);
+
+        assert!(!env.iter().any(|e| e.starts_with("HOME=")), "{env:?}");
+        assert!(explicit.contains(&"HOME=/tmp".to_owned()));
     }
 
     #[test]
@@ -613,6 +650,49 @@ mod tests {
             "{hint}"
         );
         assert!(hint.ends_with(" run --memory 512 -- 'a b'"), "{hint}");
+    }
+
+    /// `bulkhead run` parsed from `words` (after `run`).
+    fn run_args(words: &[&str]) -> RunArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            run: RunArgs,
+        }
+        let argv = std::iter::once("run").chain(words.iter().copied());
+        <Cli as clap::Parser>::try_parse_from(argv).unwrap().run
+    }
+
+    #[test]
+    fn the_testhost_shares_the_dirs_of_absolute_mounts_and_output_files_once_each() {
+        let args = run_args(&[
+            "--workspace=/src/app:clone",
+            "--mount=/data:/data:ro",
+            "--mount=rel:/rel",
+            "--export-tar=/out/changes.tar",
+            "--console=/data/console.log",
+            "--",
+            "true",
+        ]);
+        let patch = run_args(&["--export-patch=/out/x.patch", "--console=c.log", "true"]);
+        let at_root = run_args(&["--console=/console.log", "true"]);
+
+        let shares = extra_shares(&args);
+
+        assert_eq!(
+            shares,
+            [Path::new("/src/app"), Path::new("/data"), Path::new("/out")]
+        );
+        assert_eq!(extra_shares(&patch), [Path::new("/out")]);
+        assert!(extra_shares(&at_root).is_empty());
+    }
+
+    #[test]
+    fn the_agent_gets_the_boot_timeout_but_never_less_than_the_client_default() {
+        let long = Duration::from_secs(100);
+
+        assert_eq!(agent_patience(long), long);
+        assert_eq!(agent_patience(Duration::from_secs(1)), DEFAULT_TIMEOUT);
     }
 
     #[test]
