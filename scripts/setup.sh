@@ -81,5 +81,6 @@ if [[ -d /sys/module/kvm_intel || -d /sys/module/kvm_amd || ( "$ARCH" == aarch64
     exec "$ROOT/target/release/bulkhead" run -- uname -a
 fi
 echo "bulkhead: this host's KVM cannot boot a stock Linux guest (kvm_pvm or none); running the same command inside the nested test host" >&2
+# A nested guest boots in seconds, but minutes on a loaded machine: wait up to 5 min for it.
 exec "$ROOT/target/release/bulkhead-testhost" run --share "$ROOT/target" --share "$DATA" -- \
-    env "XDG_DATA_HOME=${DATA%/bulkhead}" "$ROOT/target/release/bulkhead" run -- uname -a
+    env "XDG_DATA_HOME=${DATA%/bulkhead}" "$ROOT/target/release/bulkhead" run --boot-timeout 300 -- uname -a
