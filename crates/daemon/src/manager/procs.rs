@@ -83,9 +83,12 @@ mod tests {
         let marker = dir.path().join("sb-1/vm.json");
         let mut child = Command::new("sh")
             .arg("-c")
-            // Not just `sleep 30`, which sh may exec in its place (losing the marker argument).
-            .arg("sleep 30; :")
+            // A builtin that blocks on the open stdin pipe: sh neither forks (a forked copy would
+            // name the marker too until it exec'd) nor execs something in its place (losing
+            // the marker argument).
+            .arg("read line")
             .arg(&marker)
+            .stdin(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         // Until the child has exec'd, its command line is still this test's.
