@@ -281,16 +281,15 @@ impl ExecLoop {
         if self.status.is_none() {
             return false;
         }
-        if self.kill_group_on_exit && !self.timed_out {
+        if !(self.timed_out || self.kill_group_on_exit) {
+            return self.outputs.iter().all(Option::is_none);
+        }
+        if !self.timed_out {
+            // The timeout already killed the group; here the leader's exit does.
             kill_group(self.pgid, libc::SIGKILL);
-            self.drain_outputs();
-            return true;
         }
-        if self.timed_out {
-            self.drain_outputs();
-            return true;
-        }
-        self.outputs.iter().all(Option::is_none)
+        self.drain_outputs();
+        true
     }
 
     /// One poll and the work it reveals.
