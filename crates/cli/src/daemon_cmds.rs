@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_client::{
-    Client, CreateSandbox, ExecEvent, ExecSpec, SandboxInfo, MAX_EXEC_STDIN_BYTES,
+    Client, CreateSandbox, ExecEvent, ExecSpec, SandboxInfo, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 use bulkhead_sandbox::{Mount, Workspace};
 
@@ -311,9 +311,11 @@ fn read_exec_stdin(input: impl Read) -> Result<Vec<u8>, String> {
     if bytes.len() > MAX_EXEC_STDIN_BYTES {
         return Err(format!(
             "stdin is larger than {MAX_EXEC_STDIN_BYTES} bytes ({} KiB), the most `exec -i` can send \
-             (it travels base64-encoded in a request body of at most 1 MiB); copy a large input into \
-             the sandbox with `bulkhead cp FILE ID:/path` and redirect the command's stdin from it",
-            MAX_EXEC_STDIN_BYTES >> 10
+             (it travels base64-encoded in a request body of at most {} MiB); copy a large input \
+             into the sandbox with `bulkhead cp FILE ID:/path` and redirect the command's stdin \
+             from it",
+            MAX_EXEC_STDIN_BYTES >> 10,
+            MAX_JSON_BYTES >> 20
         ));
     }
     Ok(bytes)

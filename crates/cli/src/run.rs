@@ -239,30 +239,31 @@ fn print_timings(t: &bulkhead_sandbox::Timings) {
 /// # Errors
 /// That explanation.
 pub(crate) fn require_bootable_kvm(verb: &str) -> Result<(), String> {
-    let kvm = host_kvm();
-    if kvm.can_boot_stock_kernel() {
-        return Ok(());
-    }
-    Err(refusal(kvm.explain(), &testhost_hint(verb, &[])))
+    require_kvm_or_hint(|| testhost_hint(verb, &[]))
 }
 
 /// Like [`require_bootable_kvm`] for `bulkhead run`: the suggested command repeats `words` (the
 /// user's own arguments after `bulkhead`, shell-quoted) and also shares the directories it
 /// reads and writes ([`extra_shares`]).
 fn require_bootable_kvm_for(words: &[String], args: &RunArgs) -> Result<(), String> {
+    require_kvm_or_hint(|| {
+        let verb: Vec<String> = words.iter().map(|w| shell_quote(w)).collect();
+        testhost_hint(&verb.join(" "), &extra_shares(args))
+    })
+}
+
+/// Ok when this host's KVM can boot a stock kernel; else the explanation with the test-host
+/// command `hint` builds.
+fn require_kvm_or_hint(hint: impl FnOnce() -> String) -> Result<(), String> {
     let kvm = host_kvm();
     if kvm.can_boot_stock_kernel() {
         return Ok(());
     }
-    let verb: Vec<String> = words.iter().map(|w| shell_quote(w)).collect();
-    let hint = testhost_hint(&verb.join(" "), &extra_shares(args));
-    Err(refusal(kvm.explain(), &hint))
-}
-
-fn refusal(explanation: &str, hint: &str) -> String {
-    format!(
-        "{explanation}; run bulkhead inside the nested test host instead: `{hint}` (see README)"
-    )
+    Err(format!(
+        "{}; run bulkhead inside the nested test host instead: `{}` (see README)",
+        kvm.explain(),
+        hint()
+    ))
 }
 
 /// This process's arguments after the program name, as typed (non-UTF-8 bytes replaced).
