@@ -3,12 +3,15 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use bulkhead_testhost::protocol::{shell_quote, shell_quote_path};
 use bulkhead_testhost::{prepare, Error, TcgThreads, TestHost, TestHostConfig};
 use clap::{Args, Parser, Subcommand};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
 
 /// Nested QEMU test host with real KVM (kvm-amd) for bulkhead's boot-level tests.
 #[derive(Debug, Parser)]
@@ -127,6 +130,7 @@ fn run_command(args: RunArgs) -> Result<u8> {
         }
     }
     let script = build_script(&cwd, &args.env, &args.cmd)?;
+    let run_dir_slot = remove_run_dir_on_signals()?;
     let cfg = TestHostConfig {
         memory_mib: args.memory,
         cpus: args.cpus,
@@ -141,6 +145,7 @@ fn run_command(args: RunArgs) -> Result<u8> {
         ..TestHostConfig::default()
     };
     let host = TestHost::start(cfg).context("starting the test host")?;
+    *lock(&run_dir_slot) = Some(host.run_dir().to_path_buf());
     if args.verbose {
         for failed in host.failed_boots() {
             eprintln!("bulkhead-testhost: a boot attempt failed: {failed}");
@@ -175,6 +180,41 @@ fn run_command(args: RunArgs) -> Result<u8> {
         }
         Err(e) => return Err(e).context("running the command"),
     };
+    // From here on the host's own shutdown removes the run directory.
+    lock(&run_dir_slot).take();
     host.shutdown().context("shutting down the test host")?;
     Ok(status)
+}
+
+/// The run directory to remove if a signal stops this process, once the test host has one.
+type RunDirSlot = Arc<Mutex<Option<PathBuf>>>;
+
+fn lock(slot: &RunDirSlot) -> std::sync::MutexGuard<'_, Option<PathBuf>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Makes SIGTERM, SIGINT and SIGHUP end this process with status 128+N after removing the test
+/// host's run directory (console log, QEMU log, control socket, scratch files) from the slot.
+/// QEMU itself dies with this process (it was started with a parent-death signal, see the crate's
+/// `qemu` module), so nothing of the test host outlives a stopped `bulkhead-testhost run`.
+fn remove_run_dir_on_signals() -> Result<RunDirSlot> {
+    let slot = RunDirSlot::default();
+    let mut signals =
+        Signals::new([SIGTERM, SIGINT, SIGHUP]).context("installing signal handlers")?;
+    let for_thread = Arc::clone(&slot);
+    std::thread::spawn(move || {
+        if let Some(signo) = signals.forever().next() {
+            if let Some(dir) = lock(&for_thread).take() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            // Not eprintln!: with stderr gone (a closed pipe) it would panic this thread and the
+            // process would never exit.
+            let _ = writeln!(
+                std::io::stderr(),
+                "bulkhead-testhost: stopped by signal {signo}; test host run directory removed"
+            );
+            std::process::exit(128 + signo);
+        }
+    });
+    Ok(slot)
 }
