@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every bulkhead test: formatting, lints, unit tests, the guest-level integration tests
-# (which boot real guests, inside the nested test host when this host's KVM cannot), `bulkhead
-# run` on aarch64 in an emulated arm64 host (scripts/arm64-smoke.sh GUEST=run), and 60 s of
+# (which boot real guests, inside the nested test host when this host's KVM cannot), the aarch64
+# checklist in an emulated arm64 host (GUEST=run scripts/arm64-smoke.sh), and 60 s of
 # fuzzing per fuzz target (needs the nightly toolchain, installed when missing).
 # Exits non-zero when anything fails.
 set -euo pipefail
@@ -27,7 +27,7 @@ log "fuzz harnesses: fmt, clippy, corpus replay (fuzz/ is its own workspace)"
 cargo fmt --manifest-path fuzz/Cargo.toml --check
 cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --quiet -- -D warnings
 cargo test --manifest-path fuzz/Cargo.toml --quiet
-log "aarch64: bulkhead run -- uname -m in an emulated arm64 host (scripts/arm64-smoke.sh)"
+log "aarch64: boot, bad-kernel, bulkhead run, disk and virtio-fs checks in an emulated arm64 host (scripts/arm64-smoke.sh)"
 GUEST=run scripts/arm64-smoke.sh
 log "fuzzing: every target for 60 s (docs/fuzzing.md)"
 cargo +nightly --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal

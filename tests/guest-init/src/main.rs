@@ -15,8 +15,10 @@
 //! ```
 //!
 //! and finally ends the VM as the kernel command line asks with `bulkhead_test.action=`:
-//! `reboot` (default, reboot(2) → i8042 reset), `exit` (init exits; the kernel panics and, with
-//! `panic=1`, resets), or `hang` (never ends: a guest whose agent never comes up).
+//! `reboot` (default, reboot(2) → i8042 reset on x86_64, PSCI SYSTEM_RESET on aarch64),
+//! `poweroff` (reboot(2) with `RB_POWER_OFF` → PSCI SYSTEM_OFF on aarch64; an x86_64 guest without
+//! ACPI just halts), `exit` (init exits; the kernel panics and, with `panic=1`, resets), or `hang`
+//! (never ends: a guest whose agent never comes up).
 //!
 //! Run as `bulkhead-test-init vsock-send PORT` (a tool in the agent test image), it copies stdin to
 //! a vsock connection to the host (CID 2) on PORT and prints `sent <bytes> sha256=<hex>`.
@@ -59,6 +61,7 @@ fn main() {
         "hang" => loop {
             std::thread::park();
         },
+        "poweroff" => power(libc::RB_POWER_OFF),
         _ => power(libc::RB_AUTOBOOT),
     }
 }
