@@ -15,8 +15,8 @@ log "cargo fmt --check"
 cargo fmt --all --check
 log "cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
-log "cargo clippy for aarch64 (bulkhead-vmm)"
-cargo clippy -p bulkhead-vmm --target aarch64-unknown-linux-gnu --all-targets --quiet -- -D warnings
+log "cargo clippy for aarch64 (every crate, tests included)"
+cargo clippy --workspace --target aarch64-unknown-linux-gnu --all-targets --quiet -- -D warnings
 log "guest test binaries (static, musl)"
 cargo build --release --quiet --target x86_64-unknown-linux-musl -p bulkhead-agent -p bulkhead-test-init
 log "host binaries the guest tests drive (bulkhead-vmm, bulkhead, bulkheadd)"
