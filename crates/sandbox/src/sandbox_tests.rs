@@ -1,0 +1,154 @@
+//! Unit tests of `sandbox.rs` (a separate file to keep that one short).
+
+use super::*;
+
+fn config_in(dir: &Path) -> SandboxConfig {
+    let kernel = dir.join("vmlinux");
+    let initrd = dir.join("initrd");
+    fs::write(&kernel, b"k").unwrap();
+    fs::write(&initrd, b"i").unwrap();
+    SandboxConfig {
+        kernel,
+        initrd,
+        runtime_dir: dir.join("run"),
+        ready_timeout: Duration::from_secs(30),
+        ..SandboxConfig::default()
+    }
+}
+
+#[test]
+fn missing_kernel_is_reported_with_a_hint() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_in(dir.path());
+    config.kernel = dir.path().join("nope");
+
+    let err = Sandbox::start(&config).unwrap_err();
+
+    assert!(matches!(err, Error::Missing { what: "kernel", .. }));
+    assert!(err.to_string().contains("scripts/setup.sh"), "{err}");
+}
+
+#[test]
+fn a_vmm_that_exits_early_is_reported_with_its_log_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let vmm = dir.path().join("fake-vmm");
+    fs::write(
+        &vmm,
+        "#!/bin/sh\necho 'bulkhead-vmm: error: boom' >&2\nexit 1\n",
+    )
+    .unwrap();
+    fs::set_permissions(&vmm, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut config = config_in(dir.path());
+    config.vmm_binary = vmm;
+
+    let err = Sandbox::start(&config).unwrap_err();
+
+    assert!(matches!(err, Error::VmExited { .. }), "{err}");
+    assert!(err.to_string().contains("boom"), "{err}");
+    let left: Vec<_> = fs::read_dir(dir.path().join("run")).unwrap().collect();
+    assert!(left.is_empty(), "runtime dir not cleaned: {left:?}");
+}
+
+#[test]
+fn an_agent_that_never_comes_up_times_out_and_the_vmm_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let vmm = dir.path().join("fake-vmm");
+    let pidfile = dir.path().join("pid");
+    fs::write(
+        &vmm,
+        format!(
+            "#!/bin/sh\necho $$ > {}\nexec sleep 60\n",
+            pidfile.display()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&vmm, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut config = config_in(dir.path());
+    config.vmm_binary = vmm;
+    config.ready_timeout = Duration::from_millis(300);
+
+    let err = Sandbox::start(&config).unwrap_err();
+
+    assert!(matches!(err, Error::ReadyTimeout(_)), "{err}");
+    assert!(err
+        .to_string()
+        .contains("raise `bulkhead run --boot-timeout`"));
+    let pid: i32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: signal 0 only checks for existence.
+    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    assert!(!alive, "the VMM process {pid} is still running");
+}
+
+fn failing_vmm(dir: &Path) -> PathBuf {
+    let vmm = dir.join("fake-vmm");
+    fs::write(&vmm, "#!/bin/sh\nexit 1\n").unwrap();
+    fs::set_permissions(&vmm, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    vmm
+}
+
+#[test]
+fn the_vmm_writes_itself_into_each_cgroup_procs_file_before_it_runs() {
+    // Arrange: plain files stand in for cgroup.procs; the child writes "0" to each.
+    let dir = tempfile::tempdir().unwrap();
+    let procs = [dir.path().join("a.procs"), dir.path().join("b.procs")];
+    for p in &procs {
+        fs::write(p, b"").unwrap();
+    }
+    let mut config = config_in(dir.path());
+    config.vmm_binary = failing_vmm(dir.path());
+    config.cgroup_procs = procs.to_vec();
+
+    // Act
+    let err = Sandbox::start(&config).unwrap_err();
+
+    // Assert
+    assert!(matches!(err, Error::VmExited { .. }), "{err}");
+    for p in &procs {
+        assert_eq!(fs::read_to_string(p).unwrap(), "0");
+    }
+}
+
+#[test]
+fn a_missing_cgroup_is_a_spawn_error_naming_it() {
+    // Arrange
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_in(dir.path());
+    config.vmm_binary = failing_vmm(dir.path());
+    config.cgroup_procs = vec![dir.path().join("no-such-cgroup/cgroup.procs")];
+
+    // Act
+    let err = Sandbox::start(&config).unwrap_err();
+
+    // Assert
+    assert!(matches!(err, Error::Spawn { .. }), "{err}");
+    assert!(err.to_string().contains("no-such-cgroup"), "{err}");
+}
+
+#[test]
+fn vm_config_has_vsock_and_quiet_cmdline() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_in(dir.path());
+    config.extra_cmdline = vec!["bulkhead.hostname=x".into()];
+    let path = dir.path().join("vm.json");
+
+    write_vm_config(
+        &config,
+        &Prepared::default(),
+        &workspace::Prepared::default(),
+        Path::new("/run/x/vm.sock"),
+        &path,
+    )
+    .unwrap();
+    let vm = VmConfig::from_file(&path).unwrap();
+
+    assert_eq!(vm.vsock.unwrap().uds_path, PathBuf::from("/run/x/vm.sock"));
+    let cmdline = vm.cmdline.unwrap();
+    assert!(
+        cmdline.contains("quiet") && cmdline.ends_with("bulkhead.hostname=x"),
+        "{cmdline}"
+    );
+}
