@@ -2,6 +2,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use bulkhead_tests::{
     artifacts, describe, guest_test, kernel_without_vsock, sha256_hex, socket_dir,
@@ -198,7 +199,10 @@ guest_test!(
 guest_test!(
     fn sigterm_to_bulkhead_run_reaches_the_command_and_the_vm_is_torn_down() {
         let runtime = socket_dir();
-        let mut child = spawn_run(&["sh", "-c", "echo started; sleep 100"], runtime.path());
+        let mut child = spawn_run(
+            &["--", "sh", "-c", "echo started; sleep 100"],
+            runtime.path(),
+        );
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
@@ -221,7 +225,7 @@ guest_test!(
     fn sigterm_while_the_vm_boots_stops_everything_and_leaves_no_runtime_files() {
         // Arrange: start a run and wait until its VMM has been given its config.
         let runtime = socket_dir();
-        let mut child = spawn_run(&["true"], runtime.path());
+        let mut child = spawn_run(&["--", "true"], runtime.path());
         let vm_json = wait_for_vm_json(runtime.path());
 
         // Act
@@ -239,14 +243,13 @@ guest_test!(
     }
 );
 
-/// Starts `bulkhead run -- CMD` with the test kernel and image, its runtime files in `runtime`,
-/// stdout and stderr piped.
-fn spawn_run(cmd: &[&str], runtime: &std::path::Path) -> std::process::Child {
+/// Starts `bulkhead run ARGS...` (flags, `--`, the command) with the test kernel and image, its
+/// runtime files in `runtime`, stdout and stderr piped.
+fn spawn_run(args: &[&str], runtime: &std::path::Path) -> std::process::Child {
     let a = artifacts();
     Command::new(&a.cli)
         .arg("run")
-        .arg("--")
-        .args(cmd)
+        .args(args)
         .env("BULKHEAD_KERNEL", &a.vmlinux)
         .env("BULKHEAD_INITRD", &a.agent_initrd)
         .env("BULKHEAD_VMM", &a.vmm)
@@ -297,6 +300,166 @@ fn wait_for_vm_json(dir: &std::path::Path) -> std::path::PathBuf {
             "no vm.json under {dir:?}"
         );
         std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+guest_test!(
+    fn a_guest_that_stops_answering_is_given_up_after_the_timeout_and_its_vm_destroyed() {
+        // Arrange: a run with --timeout 10 whose VM process is stopped once the command runs, so
+        // the agent can never report the command's end. (10 s leaves a loaded host ample time
+        // to stop the VM before the agent's own timeout would end the command.)
+        let runtime = socket_dir();
+        let mut child = spawn_run(
+            &[
+                "--timeout",
+                "10",
+                "--",
+                "sh",
+                "-c",
+                "echo started; exec sleep 1000",
+            ],
+            runtime.path(),
+        );
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert_eq!(line, "started\n");
+        let vmms = vmm_processes_below(child.id());
+        assert!(!vmms.is_empty(), "no bulkhead-vmm below {}", child.id());
+        let vmm_ends: Vec<_> = vmms.iter().map(|pid| pidfd(*pid)).collect();
+
+        // Act: stop the process that runs the VM (the deepest: under the jail, the supervisor's
+        // child).
+        stop(&vmm_ends[0]);
+        let status = wait_at_most(&mut child, Duration::from_secs(180));
+
+        // Assert
+        let mut stderr = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert_eq!(status.code(), Some(124), "{status}: {stderr}");
+        assert!(
+            stderr.contains(
+                "bulkhead: the guest did not report the command's end within --timeout 10 s \
+                 (+5 s grace); destroying the VM"
+            ),
+            "{stderr}"
+        );
+        for (pid, end) in vmms.iter().zip(&vmm_ends) {
+            // SIGKILL reaches a stopped process; it ends at once, or when its supervisor's
+            // death (PR_SET_PDEATHSIG) reaches it.
+            assert!(
+                ends_within(end, Duration::from_secs(60)),
+                "bulkhead-vmm {pid} survived"
+            );
+        }
+        let left: Vec<_> = std::fs::read_dir(runtime.path()).unwrap().collect();
+        assert!(left.is_empty(), "runtime files left: {left:?}");
+        drop(stdout);
+    }
+);
+
+/// The `bulkhead-vmm` processes below `ancestor` (children, grandchildren, ...), deepest first:
+/// under the jail the VM runs in the child of the supervisor that the run spawned.
+fn vmm_processes_below(ancestor: u32) -> Vec<u32> {
+    let mut found: Vec<(usize, u32)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| proc_field(*pid, "Name").as_deref() == Some("bulkhead-vmm"))
+        .filter_map(|pid| Some((depth_below(pid, ancestor)?, pid)))
+        .collect();
+    found.sort_unstable_by(|a, b| b.cmp(a));
+    found.into_iter().map(|(_, pid)| pid).collect()
+}
+
+/// How many generations `pid` is below `ancestor` (1 for a child); `None` when it is not.
+fn depth_below(pid: u32, ancestor: u32) -> Option<usize> {
+    let mut current = pid;
+    for depth in 1..64 {
+        let parent: u32 = proc_field(current, "PPid")?.parse().ok()?;
+        if parent == ancestor {
+            return Some(depth);
+        }
+        if parent <= 1 {
+            return None;
+        }
+        current = parent;
+    }
+    None
+}
+
+/// The value of `field` in `/proc/<pid>/status`; `None` when the process is gone.
+fn proc_field(pid: u32, field: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| {
+        let (key, value) = l.split_once(':')?;
+        (key == field).then(|| value.trim().to_owned())
+    })
+}
+
+/// A pidfd of `pid` (pidfd_open(2)): readable once the process has ended.
+fn pidfd(pid: u32) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    assert!(
+        fd >= 0,
+        "pidfd_open({pid}): {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: `fd` is a freshly opened descriptor that nothing else owns.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as libc::c_int) }
+}
+
+/// Sends SIGSTOP to the process behind the pidfd `fd` (pidfd_send_signal(2): the pidfd names
+/// that process and no other, even if its pid was reused).
+fn stop(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal takes a pidfd we own, a signal number, no siginfo (null) and no
+    // flags; it reads no memory of ours.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            libc::SIGSTOP,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    assert_eq!(rc, 0, "SIGSTOP: {}", std::io::Error::last_os_error());
+}
+
+/// Whether the process behind the pidfd `fd` ends within `limit`.
+fn ends_within(fd: &std::os::fd::OwnedFd, limit: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = limit.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: poll reads and writes the one valid pollfd for the duration of the call.
+    unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
+}
+
+/// Waits for `child` to exit; past `limit` it is SIGKILLed and the test fails (a hung run must
+/// fail the test, not stall the suite).
+fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("bulkhead run was still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

@@ -17,6 +17,8 @@ use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 
 use crate::{run_export, rundir};
 
+mod watchdog;
+
 /// How long a failed run waits for the VMM to end before reporting (1 s).
 const VM_END_WAIT: Duration = Duration::from_secs(1);
 use crate::signals::SignalRouter;
@@ -51,7 +53,11 @@ pub struct RunArgs {
     /// Working directory in the guest [default: /workspace with --workspace, else /].
     #[arg(long, value_name = "DIR")]
     workdir: Option<String>,
-    /// Kill the command's whole process group after this many seconds (exit status 124).
+    /// Kill the command's whole process group after this many seconds (exit status 124). The
+    /// guest agent enforces it; should the guest not report the command's end within
+    /// SECS + max(5, SECS/10) seconds of its start (it stalled), bulkhead says so on stderr,
+    /// destroys the VM and exits 124 as well. Without --timeout bulkhead waits as long as the
+    /// command runs.
     #[arg(long, value_name = "SECS", value_parser = parse_positive_seconds)]
     timeout: Option<Duration>,
     /// User to run as in the guest (name, uid or uid:gid).
@@ -173,7 +179,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let outcome = run_command(&sandbox, &request, &router, patience)
         .map_err(|e| explain_vm_end(&mut sandbox, e));
     let exported = match (&outcome, &export_to) {
-        (Ok(_), Some(target)) => run_export::export(&sandbox, target),
+        (Ok(Outcome::Exited(_)), Some(target)) => run_export::export(&sandbox, target),
         _ => Ok(()),
     };
     let destroyed = sandbox.destroy_timed();
@@ -184,7 +190,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
         Ok(_) => {}
         Err(e) => eprintln!("bulkhead: warning: {e}"),
     }
-    Ok(exit_code(&status))
+    Ok(outcome_code(&status))
 }
 
 /// Adds to a failed run's message how the VM ended, when it ended by itself (waiting up to
@@ -411,27 +417,42 @@ fn agent_patience(boot_timeout: Duration) -> Duration {
     boot_timeout.max(DEFAULT_TIMEOUT)
 }
 
+/// How the command's run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Outcome {
+    /// The agent reported the command's end.
+    Exited(ExitStatus),
+    /// The host-side watchdog gave up on the guest (see [`watchdog`]).
+    Abandoned,
+}
+
 /// Runs `request` in `sandbox` with our stdin forwarded and its output streamed; connecting
-/// and each blocking read or write of the request may take up to `patience`.
+/// and each blocking read or write of the request may take up to `patience`. With a timeout in
+/// `request`, the host-side [`watchdog`] bounds the wait for the command's end.
 fn run_command(
     sandbox: &Sandbox,
     request: &ExecRequest,
     router: &SignalRouter,
     patience: Duration,
-) -> Result<ExitStatus, String> {
+) -> Result<Outcome, String> {
     let session = sandbox
         .client()
         .with_timeout(patience)
         .exec(request)
         .map_err(|e| e.to_string())?;
     let (writer, mut reader) = session.split();
+    let watchdog = watched_timeout(request).map(|t| arm_watchdog(t, &writer, sandbox));
     router.command_started(writer.clone());
     forward_stdin(writer);
     let mut stdout = io::stdout().lock();
     let mut stderr = io::stderr();
     let mut lost: Option<io::Error> = None;
     loop {
-        let event = reader.next_event().map_err(|e| e.to_string())?;
+        let event = reader.next_event();
+        if ends_run(&event) && watchdog.as_ref().is_some_and(|w| !w.disarm()) {
+            return Ok(Outcome::Abandoned);
+        }
+        let event = event.map_err(|e| e.to_string())?;
         sandbox.mark_first_output();
         match event {
             Some(ExecEvent::Stdout(bytes)) => write_out(&mut stdout, &bytes, &mut lost),
@@ -440,7 +461,7 @@ fn run_command(
                 let _ = stdout.flush();
                 return match lost {
                     Some(e) => Err(format!("writing the command's output failed: {e}")),
-                    None => Ok(status),
+                    None => Ok(Outcome::Exited(status)),
                 };
             }
             None => {
@@ -448,6 +469,27 @@ fn run_command(
             }
         }
     }
+}
+
+/// Whether `event` is the last one of the run: the command's end, an error, or none.
+fn ends_run<E>(event: &Result<Option<ExecEvent>, E>) -> bool {
+    !matches!(event, Ok(Some(ExecEvent::Stdout(_) | ExecEvent::Stderr(_))))
+}
+
+/// The timeout the watchdog enforces from the host: the request's (`--timeout`), if any.
+fn watched_timeout(request: &ExecRequest) -> Option<Duration> {
+    request.timeout_ms.map(Duration::from_millis)
+}
+
+/// A [`watchdog::Watchdog`] that gives up on the guest [`watchdog::limit`] after now, for a
+/// `--timeout` of `timeout`: it prints [`watchdog::message`] and cuts the connection behind
+/// `writer` off ([`watchdog::cut_off`], with `sandbox`'s VMM as the last resort).
+fn arm_watchdog(timeout: Duration, writer: &ExecWriter, sandbox: &Sandbox) -> watchdog::Watchdog {
+    let (writer, vmm) = (writer.clone(), sandbox.vmm_pidfd().ok());
+    watchdog::Watchdog::arm(watchdog::limit(timeout), move || {
+        eprintln!("{}", watchdog::message(timeout));
+        watchdog::cut_off(writer, vmm);
+    })
 }
 
 /// Writes command output to our stdout/stderr. A reader that went away (EPIPE, e.g. `| head`)
@@ -485,6 +527,15 @@ fn forward_stdin(writer: ExecWriter) {
         }
         let _ = writer.close_stdin();
     });
+}
+
+/// The process exit status for how the run ended: the command's status, or
+/// [`EXIT_TIMEOUT`] (124) when the watchdog gave up on the guest.
+fn outcome_code(outcome: &Outcome) -> u8 {
+    match outcome {
+        Outcome::Exited(status) => exit_code(status),
+        Outcome::Abandoned => EXIT_TIMEOUT,
+    }
 }
 
 /// The process exit status for the command's status.
@@ -548,6 +599,44 @@ mod tests {
         assert_eq!(exit_code(&killed), 137);
         assert_eq!(exit_code(&timed_out), 124);
         assert_eq!(exit_code(&seven), 7);
+    }
+
+    #[test]
+    fn a_run_the_watchdog_abandoned_exits_124_and_a_reported_end_keeps_its_status() {
+        let seven = ExitStatus {
+            code: Some(7),
+            signal: None,
+            timed_out: false,
+        };
+
+        assert_eq!(outcome_code(&Outcome::Abandoned), EXIT_TIMEOUT);
+        assert_eq!(outcome_code(&Outcome::Exited(seven)), 7);
+    }
+
+    #[test]
+    fn only_output_events_keep_the_run_going() {
+        let exit = ExecEvent::Exit(ExitStatus {
+            code: Some(0),
+            signal: None,
+            timed_out: false,
+        });
+
+        assert!(!ends_run::<()>(&Ok(Some(ExecEvent::Stdout(b"x".to_vec())))));
+        assert!(!ends_run::<()>(&Ok(Some(ExecEvent::Stderr(b"x".to_vec())))));
+        assert!(ends_run::<()>(&Ok(Some(exit))));
+        assert!(ends_run::<()>(&Ok(None)));
+        assert!(ends_run::<()>(&Err(())));
+    }
+
+    #[test]
+    fn the_watchdog_waits_the_timeout_plus_the_grace_and_only_with_a_timeout() {
+        let timed = exec_request(&run_args(&["--timeout", "3", "--", "sleep", "9"])).unwrap();
+        let untimed = exec_request(&run_args(&["--", "sleep", "9"])).unwrap();
+
+        let limit = watched_timeout(&timed).map(watchdog::limit);
+
+        assert_eq!(limit, Some(Duration::from_secs(8)));
+        assert_eq!(watched_timeout(&untimed), None);
     }
 
     #[test]
