@@ -65,8 +65,10 @@ impl ExecSession {
         // The command may run for as long as it likes; its own timeout_ms bounds it.
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(None)?;
+        let control = Arc::new(stream.try_clone()?);
         let writer = ExecWriter {
             stream: Arc::new(Mutex::new(stream)),
+            control,
         };
         Ok(Self {
             pid,
@@ -108,6 +110,10 @@ impl ExecSession {
 #[derive(Debug, Clone)]
 pub struct ExecWriter {
     stream: Arc<Mutex<UnixStream>>,
+    /// A second handle on the same connection, for [`ExecWriter::disconnect`]: shutting down
+    /// must not wait for the lock, which a write blocked on a command that does not read its
+    /// stdin (or on a stalled guest) can hold indefinitely.
+    control: Arc<UnixStream>,
 }
 
 impl ExecWriter {
@@ -135,10 +141,13 @@ impl ExecWriter {
     }
 
     /// Drops the connection in both directions. The agent then sends SIGHUP and, shortly
-    /// after, SIGKILL to the command's process group.
+    /// after, SIGKILL to the command's process group. Never blocks: a [`write_stdin`] blocked
+    /// on the same connection (from another clone) fails, and a reader blocked on it sees the
+    /// end of the stream.
+    ///
+    /// [`write_stdin`]: ExecWriter::write_stdin
     pub fn disconnect(&self) -> Result<(), ClientError> {
-        let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        stream.shutdown(Shutdown::Both)?;
+        self.control.shutdown(Shutdown::Both)?;
         Ok(())
     }
 
@@ -224,5 +233,60 @@ fn event_of(frame: Frame) -> Result<ExecEvent, ClientError> {
             expected: "Stdout, Stderr, Exit or Error",
             got: other.kind(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::thread;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::messages::Started;
+
+    /// A started session whose fake agent answers the request and then never reads again;
+    /// returns the session and the agent's end of the connection (kept open by the caller).
+    fn session_with_a_deaf_agent() -> (ExecSession, UnixStream) {
+        let (client, mut agent) = UnixStream::pair().unwrap();
+        let answer = thread::spawn(move || {
+            read_frame(&mut agent).unwrap().unwrap();
+            write_frame(&mut agent, &Frame::Started(Started { pid: 7 })).unwrap();
+            agent
+        });
+        let session = ExecSession::start(client, &ExecRequest::new(["cat"])).unwrap();
+        (session, answer.join().unwrap())
+    }
+
+    #[test]
+    fn disconnect_does_not_wait_for_a_stdin_write_blocked_on_a_command_that_does_not_read() {
+        // Arrange: a stdin write that fills the socket buffers and blocks, holding the lock.
+        let (session, _agent) = session_with_a_deaf_agent();
+        let (writer, _reader) = session.split();
+        let blocked = writer.clone();
+        let (wrote, write_result) = mpsc::channel();
+        thread::spawn(move || {
+            let _ = wrote.send(blocked.write_stdin(&vec![b'x'; 16 << 20]));
+        });
+        let still_blocked = write_result.recv_timeout(Duration::from_millis(200));
+        assert!(
+            still_blocked.is_err(),
+            "the write should block: {still_blocked:?}"
+        );
+
+        // Act: disconnect from another thread (a hang here would fail the bounded wait below).
+        let (disconnected, disconnect_result) = mpsc::channel();
+        thread::spawn(move || {
+            let _ = disconnected.send(writer.disconnect());
+        });
+        let disconnect = disconnect_result.recv_timeout(Duration::from_secs(30));
+        let write = write_result.recv_timeout(Duration::from_secs(30));
+
+        // Assert
+        assert!(matches!(disconnect, Ok(Ok(()))), "{disconnect:?}");
+        assert!(
+            matches!(write, Ok(Err(_))),
+            "the blocked write must fail: {write:?}"
+        );
     }
 }
