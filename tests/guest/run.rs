@@ -323,7 +323,13 @@ guest_test!(
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         stdout.read_line(&mut line).unwrap();
-        assert_eq!(line, "started\n");
+        if line != "started\n" {
+            // With the run's stderr in the message (a nested guest crash there makes the harness
+            // retry the test).
+            let mut err = String::new();
+            let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+            panic!("the command did not start: stdout {line:?}, stderr: {err}");
+        }
         let vmms = vmm_processes_below(child.id());
         assert!(!vmms.is_empty(), "no bulkhead-vmm below {}", child.id());
         let vmm_ends: Vec<_> = vmms.iter().map(|pid| pidfd(*pid)).collect();

@@ -9,7 +9,6 @@
 //! then destroys the VM and exits 124.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -18,11 +17,6 @@ use bulkhead_protocol::client::ExecWriter;
 
 /// Least time the agent gets beyond `--timeout` to kill the group and report (5 s).
 const MIN_GRACE: Duration = Duration::from_secs(5);
-
-/// How long [`cut_off`] waits for the connection to be shut down before it kills the VMM
-/// instead (1 s): shutting down waits for the connection's lock, which a stdin write blocked
-/// on a stalled guest holds.
-const DISCONNECT_WAIT: Duration = Duration::from_secs(1);
 
 /// How long the agent gets beyond a `--timeout` of `timeout` to report the command's end:
 /// a tenth of `timeout`, at least [`MIN_GRACE`] (5 s).
@@ -113,19 +107,14 @@ fn fire_after(shared: &(Mutex<State>, Condvar), limit: Duration) -> bool {
 }
 
 /// Cuts the run off from a guest that stopped answering: shuts the command's connection down
-/// (the reader blocked on it returns), and when that does not happen within
-/// [`DISCONNECT_WAIT`], SIGKILLs the VMM through `vmm` (its pidfd), which closes the
-/// connection from the other end.
+/// (never blocking, see [`ExecWriter::disconnect`]; the reader blocked on it returns), and
+/// should that fail, SIGKILLs the VMM through `vmm` (its pidfd), which closes the connection
+/// from the other end.
 pub(super) fn cut_off(writer: ExecWriter, vmm: Option<OwnedFd>) {
-    let (done, disconnected) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = writer.disconnect();
-        let _ = done.send(());
-    });
-    if disconnected.recv_timeout(DISCONNECT_WAIT).is_ok() {
+    let Err(e) = writer.disconnect() else {
         return;
-    }
-    tracing::warn!("the connection to the guest is stuck; killing the VMM");
+    };
+    tracing::warn!("cutting the connection to the guest failed ({e}); killing the VMM");
     if let Some(fd) = vmm {
         kill_by_pidfd(&fd);
     }
@@ -152,6 +141,8 @@ fn kill_by_pidfd(fd: &OwnedFd) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::mpsc;
+
     use super::*;
 
     #[test]
