@@ -30,7 +30,8 @@
 # (scripts/build-initramfs.sh --busybox-bin). It also holds a small ext4 image made here with
 # `mke2fs -d` (/data/disk.ext4), the x86_64 bzImage when scripts/build-kernel.sh installed one (a
 # file with just an x86 setup header otherwise). The host's /init (see run_checks_script) runs,
-# as root (so each VMM is jailed), with BULKHEAD_VMM=/bin/bulkhead-vmm and HOME=/root:
+# as root (so each VMM that `bulkhead run` starts is jailed; the bulkhead-vmm checks run it
+# directly, unjailed), with BULKHEAD_VMM=/bin/bulkhead-vmm and HOME=/root:
 #   bad-bzimage, bad-magic   bulkhead-vmm given the x86 bzImage, and a copy of the guest Image with
 #                            its magic overwritten: non-zero status and the loader's error message
 #   boot-1-vcpu, boot-2-vcpus, boot-memory, boot-reboot
@@ -50,15 +51,20 @@
 #                            file read, a guest file written that the host then reads)
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
-# printed ok. RUN_ARGS adds `bulkhead run` arguments, RUN_ENV environment assignments for it
+# printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
+# which every run gets already, nor --memory, which the 10 MiB check sets), RUN_ENV variables
+# for it: VAR=VALUE words appended to an `export` line of the emulated host's /init, as they are
 # (e.g. RUN_ENV="BULKHEAD_SECCOMP=log BULKHEAD_JAIL=off BULKHEAD_LOG=debug").
+# Every bulkhead-vmm and bulkhead run is killed (SIGKILL, status 137, a failure) when it outlives
+# VMM_TIMEOUT (twice that for bulkhead run): a VMM stopped by SIGTERM would exit 0 instead.
 #
 # Idempotent: Debian packages (apt-get download, unpacked with dpkg -x) are cached under
 # ${XDG_CACHE_HOME:-~/.cache}/bulkhead/arm64-smoke/, cargo builds go to target/aarch64, the guest
 # kernel is cached by build-kernel.sh. The console log of the last run is
 # ${XDG_CACHE_HOME:-~/.cache}/bulkhead/arm64-smoke/console.log.
 # Needs root (or sudo) only to install missing packages and to add the arm64 dpkg architecture.
-# The QEMU run is serialised with `flock /tmp/bulkhead-arm64.lock` and runs under `nice -n 10`.
+# A whole run (builds, host initramfs, QEMU, console log) holds `flock /tmp/bulkhead-arm64.lock`;
+# QEMU runs under `nice -n 10`.
 #
 # Environment: GUEST (test-init|devices|run, default test-init), PROFILE (debug|release, default
 # debug), VCPUS (guest vCPUs, default 1; the emulated host has 2 CPUs; GUEST=run's boot checks
@@ -232,7 +238,7 @@ vmm() {
     name=$1 kernel=$2 initrd=$3 cmdline=$4
     shift 4
     echo "arm64-smoke: running: bulkhead-vmm --kernel $kernel --initrd $initrd $* --cmdline '$cmdline'"
-    timeout "$VMM_TIMEOUT" /bin/bulkhead-vmm --kernel "$kernel" --initrd "$initrd" \
+    timeout -s KILL "$VMM_TIMEOUT" /bin/bulkhead-vmm --kernel "$kernel" --initrd "$initrd" \
         --serial "/tmp/$name.serial" "$@" --cmdline "$cmdline" >"/tmp/$name.vmm" 2>&1
     status=$?
 }
@@ -247,7 +253,7 @@ brun() {
     shift
     echo "arm64-smoke: running: bulkhead run $RUN_ARGS $*"
     # RUN_ARGS is split into words on purpose (several arguments).
-    timeout $((VMM_TIMEOUT * 2)) /bin/bulkhead run --boot-timeout "$VMM_TIMEOUT" \
+    timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead run --boot-timeout "$VMM_TIMEOUT" \
         --console "/tmp/$name.console" --vcpus "$VCPUS" $RUN_ARGS "$@" \
         >"/tmp/$name.out" 2>"/tmp/$name.err"
     status=$?
@@ -393,9 +399,12 @@ host_commands() {
     if [[ "$GUEST" == devices ]]; then
         vmm_cmd+=" --disk /tmp/disk.img --share share=/tmp/share:ro --vsock-uds /tmp/vsock.sock"
     fi
+    # One shell word for the emulated host's sh (bash's %q quoting: backslashes or $'...').
+    [[ -z "${GUEST_CMDLINE:-}" ]] || vmm_cmd+=" --cmdline $(printf '%q' "$GUEST_CMDLINE")"
+    # SIGKILL: a VMM stopped by SIGTERM exits 0, which would pass a guest that hung.
     cat <<HOST_VMM
-echo "arm64-smoke: running: $vmm_cmd${GUEST_CMDLINE:+ --cmdline '$GUEST_CMDLINE'}"
-timeout $VMM_TIMEOUT $vmm_cmd ${GUEST_CMDLINE:+--cmdline "$GUEST_CMDLINE"}
+printf '%s\n' $(printf '%q' "arm64-smoke: running: $vmm_cmd")
+timeout -s KILL $VMM_TIMEOUT $vmm_cmd
 echo "arm64-smoke: bulkhead-vmm exited with status \$?"
 HOST_VMM
 }
@@ -478,7 +487,7 @@ build_host_initramfs() {
 run_qemu() {
     local host_image="$1"
     log "booting the emulated arm64 host (console log: $CACHE/console.log)"
-    flock "$LOCK" nice -n 10 timeout "$QEMU_TIMEOUT" qemu-system-aarch64 \
+    nice -n 10 timeout "$QEMU_TIMEOUT" qemu-system-aarch64 \
         -M virt,virtualization=on,gic-version=3 -cpu max -smp 2 -m 2G -accel tcg,thread=multi \
         -nographic -no-reboot -kernel "$host_image" -initrd "$CACHE/host.cpio.gz" \
         -append "console=ttyAMA0 panic=-1 quiet" </dev/null | tee "$CACHE/console.log"
@@ -487,7 +496,16 @@ run_qemu() {
 STAGE=""
 main() {
     trap '[[ -z "$STAGE" ]] || rm -rf "$STAGE"' EXIT
+    case "$GUEST" in test-init | devices | run) ;; *) die "unknown GUEST=$GUEST (test-init, devices or run)" ;; esac
+    case "$PROFILE" in debug | release) ;; *) die "unknown PROFILE=$PROFILE (debug or release)" ;; esac
     mkdir -p "$CACHE/debs"
+    # One run at a time from here: the builds, the host initramfs and the console log in $CACHE
+    # are shared by every run (another clone's included).
+    exec 9>"$LOCK"
+    flock -n 9 || {
+        log "waiting for $LOCK (another arm64 run)"
+        flock 9
+    }
     ensure_packages
     ensure_arm64_arch
     local kpkg kdir busybox_dir guest_dir guest_initrd host_image
