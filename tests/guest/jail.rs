@@ -7,8 +7,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use bulkhead_sandbox::{jail, Mount, Sandbox};
+use bulkhead_tests::procs::{ends_within, pidfd};
 use bulkhead_tests::{artifacts, guest_test, run_sh, sandbox_config};
 
 /// uid:gid of the writable share (the VMM then runs as its owner).
@@ -238,32 +240,6 @@ guest_test!(
     }
 );
 
-/// A pidfd of `pid` (pidfd_open(2)): readable once the process has ended.
-fn pidfd(pid: u32) -> std::os::fd::OwnedFd {
-    use std::os::fd::FromRawFd;
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    assert!(
-        fd >= 0,
-        "pidfd_open({pid}): {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: `fd` is a freshly opened descriptor that nothing else owns.
-    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as libc::c_int) }
-}
-
-/// Whether the process behind `fd` ends within `ms` milliseconds.
-fn ends_within(fd: &std::os::fd::OwnedFd, ms: i32) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut pfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: poll reads and writes the one valid pollfd for the duration of the call.
-    unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
-}
-
 guest_test!(
     fn a_sigkilled_supervisor_takes_the_jailed_vmm_with_it() {
         // Arrange
@@ -282,7 +258,7 @@ guest_test!(
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(exit.and_then(|s| s.signal()), Some(libc::SIGKILL));
         assert!(
-            ends_within(&vmm, 30_000),
+            ends_within(&vmm, Duration::from_secs(30)),
             "the jailed VMM outlived its supervisor"
         );
     }

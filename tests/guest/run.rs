@@ -4,6 +4,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use bulkhead_tests::procs::{ends_within, pidfd};
 use bulkhead_tests::{
     artifacts, describe, guest_test, kernel_without_vsock, sha256_hex, socket_dir,
 };
@@ -266,6 +267,11 @@ fn sigterm_and_wait(child: &mut std::process::Child) -> (std::process::ExitStatu
     // SAFETY: SIGTERM to our own child process, not yet reaped.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     let status = child.wait().unwrap();
+    (status, take_stderr(child))
+}
+
+/// All of `child`'s (piped) stderr, read to its end.
+fn take_stderr(child: &mut std::process::Child) -> String {
     let mut stderr = String::new();
     child
         .stderr
@@ -273,7 +279,7 @@ fn sigterm_and_wait(child: &mut std::process::Child) -> (std::process::ExitStatu
         .unwrap()
         .read_to_string(&mut stderr)
         .unwrap();
-    (status, stderr)
+    stderr
 }
 
 /// Waits (up to 120 s) until a sandbox config `*/sb-*/vm.json` appears below `dir`.
@@ -340,13 +346,7 @@ guest_test!(
         let status = wait_at_most(&mut child, Duration::from_secs(180));
 
         // Assert
-        let mut stderr = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut stderr)
-            .unwrap();
+        let stderr = take_stderr(&mut child);
         assert_eq!(status.code(), Some(124), "{status}: {stderr}");
         assert!(
             stderr.contains(
@@ -407,20 +407,6 @@ fn proc_field(pid: u32, field: &str) -> Option<String> {
     })
 }
 
-/// A pidfd of `pid` (pidfd_open(2)): readable once the process has ended.
-fn pidfd(pid: u32) -> std::os::fd::OwnedFd {
-    use std::os::fd::FromRawFd;
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    assert!(
-        fd >= 0,
-        "pidfd_open({pid}): {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: `fd` is a freshly opened descriptor that nothing else owns.
-    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as libc::c_int) }
-}
-
 /// Sends SIGSTOP to the process behind the pidfd `fd` (pidfd_send_signal(2): the pidfd names
 /// that process and no other, even if its pid was reused).
 fn stop(fd: &std::os::fd::OwnedFd) {
@@ -437,19 +423,6 @@ fn stop(fd: &std::os::fd::OwnedFd) {
         )
     };
     assert_eq!(rc, 0, "SIGSTOP: {}", std::io::Error::last_os_error());
-}
-
-/// Whether the process behind the pidfd `fd` ends within `limit`.
-fn ends_within(fd: &std::os::fd::OwnedFd, limit: Duration) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut pfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ms = limit.as_millis().min(i32::MAX as u128) as i32;
-    // SAFETY: poll reads and writes the one valid pollfd for the duration of the call.
-    unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
 }
 
 /// Waits for `child` to exit; past `limit` it is SIGKILLed and the test fails (a hung run must

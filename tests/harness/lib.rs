@@ -28,6 +28,7 @@ use bulkhead_vmm::vstate::kvm::host_kvm;
 mod artifacts;
 pub mod bench;
 pub mod hostcheck;
+pub mod procs;
 pub mod readonly;
 
 pub use artifacts::{artifacts, kernel_without_vsock, Artifacts};
