@@ -239,23 +239,27 @@ fn print_timings(t: &bulkhead_sandbox::Timings) {
     }
 }
 
-/// Fails with a one-line explanation and the test-host command line (for `bulkhead VERB`) when
-/// this host's KVM cannot boot a stock Linux kernel (e.g. kvm_pvm).
+/// Fails with a one-line explanation and the test-host command line when this host's KVM cannot
+/// boot a stock Linux kernel (e.g. kvm_pvm). The suggested command repeats this process's own
+/// arguments (shell-quoted) and also shares the directories `shares` (besides the current one).
 ///
 /// # Errors
 /// That explanation.
-pub(crate) fn require_bootable_kvm(verb: &str) -> Result<(), String> {
-    require_kvm_or_hint(|| testhost_hint(verb, &[]))
+pub(crate) fn require_bootable_kvm(shares: &[PathBuf]) -> Result<(), String> {
+    require_kvm_or_hint(|| testhost_hint(&quoted_words(&user_words()), shares))
 }
 
 /// Like [`require_bootable_kvm`] for `bulkhead run`: the suggested command repeats `words` (the
-/// user's own arguments after `bulkhead`, shell-quoted) and also shares the directories it
-/// reads and writes ([`extra_shares`]).
+/// user's own arguments after `bulkhead`) and also shares the directories it reads and writes
+/// ([`extra_shares`]).
 fn require_bootable_kvm_for(words: &[String], args: &RunArgs) -> Result<(), String> {
-    require_kvm_or_hint(|| {
-        let verb: Vec<String> = words.iter().map(|w| shell_quote(w)).collect();
-        testhost_hint(&verb.join(" "), &extra_shares(args))
-    })
+    require_kvm_or_hint(|| testhost_hint(&quoted_words(words), &extra_shares(args)))
+}
+
+/// `words` shell-quoted and joined by spaces.
+fn quoted_words(words: &[String]) -> String {
+    let quoted: Vec<String> = words.iter().map(|w| shell_quote(w)).collect();
+    quoted.join(" ")
 }
 
 /// Ok when this host's KVM can boot a stock kernel; else the explanation with the test-host

@@ -124,7 +124,7 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
     for path in args.json.iter().chain(&args.plot) {
         check_writable(path)?;
     }
-    crate::run::require_bootable_kvm("bench [ARGS]")?;
+    crate::run::require_bootable_kvm(&output_dirs(&args))?;
     // The runs' runtime directories live in one of this process's own, swept by a later
     // `bulkhead run` or `bench` if this one is killed.
     let bench_dir = crate::rundir::create(&config.runtime_dir)?;
@@ -218,10 +218,49 @@ fn check_writable(path: &std::path::Path) -> Result<(), String> {
         .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
+/// The directories of the absolute `--json` and `--plot` files, once each and without `/`: the
+/// test host must share them for the files to reach this host (relative paths are inside the
+/// current directory, which it always shares).
+fn output_dirs(args: &BenchArgs) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    let files = args
+        .json
+        .iter()
+        .chain(&args.plot)
+        .filter(|p| p.is_absolute());
+    for dir in files.filter_map(|p| p.parent()) {
+        if dir != std::path::Path::new("/") && !dirs.iter().any(|d| d == dir) {
+            dirs.push(dir.to_owned());
+        }
+    }
+    dirs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn the_test_host_shares_the_directories_of_absolute_output_files_once() {
+        // Arrange
+        let cli = Cli::try_parse_from([
+            "bench",
+            "--json",
+            "/tmp/out/b.json",
+            "--plot",
+            "/tmp/out/b.svg",
+            "--runs",
+            "2",
+        ])
+        .unwrap();
+        let relative =
+            Cli::try_parse_from(["bench", "--json", "b.json", "--plot", "/b.svg"]).unwrap();
+
+        // Act / Assert
+        assert_eq!(output_dirs(&cli.bench), [PathBuf::from("/tmp/out")]);
+        assert!(output_dirs(&relative.bench).is_empty());
+    }
 
     #[derive(Debug, Parser)]
     struct Cli {
