@@ -309,44 +309,74 @@ fn wait_for_vm_json(dir: &std::path::Path) -> std::path::PathBuf {
     }
 }
 
-guest_test!(
-    fn a_guest_that_stops_answering_is_given_up_after_the_timeout_and_its_vm_destroyed() {
-        // Arrange: a run with --timeout 10 whose VM process is stopped once the command runs, so
-        // the agent can never report the command's end. (10 s leaves a loaded host ample time
-        // to stop the VM before the agent's own timeout would end the command.)
+/// A `bulkhead run ARGS...` whose VM is stopped (SIGSTOP) once its command, which must print
+/// `started`, runs: the agent can never report anything again.
+struct StalledRun {
+    child: std::process::Child,
+    runtime: tempfile::TempDir,
+    /// The run's bulkhead-vmm processes (deepest first) and a pidfd of each.
+    vmms: Vec<(u32, std::os::fd::OwnedFd)>,
+}
+
+impl StalledRun {
+    fn start(args: &[&str]) -> StalledRun {
         let runtime = socket_dir();
-        let mut child = spawn_run(
-            &[
-                "--timeout",
-                "10",
-                "--",
-                "sh",
-                "-c",
-                "echo started; exec sleep 1000",
-            ],
-            runtime.path(),
-        );
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut child = spawn_run(args, runtime.path());
         let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
         if line != "started\n" {
             // With the run's stderr in the message (a nested guest crash there makes the harness
             // retry the test).
-            let mut err = String::new();
-            let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+            let err = take_stderr(&mut child);
             panic!("the command did not start: stdout {line:?}, stderr: {err}");
         }
-        let vmms = vmm_processes_below(child.id());
-        assert!(!vmms.is_empty(), "no bulkhead-vmm below {}", child.id());
-        let vmm_ends: Vec<_> = vmms.iter().map(|pid| pidfd(*pid)).collect();
+        let pids = vmm_processes_below(child.id());
+        assert!(!pids.is_empty(), "no bulkhead-vmm below {}", child.id());
+        let vmms: Vec<_> = pids.into_iter().map(|pid| (pid, pidfd(pid))).collect();
+        // The deepest process runs the VM (under the jail, the supervisor's child).
+        stop(&vmms[0].1);
+        StalledRun {
+            child,
+            runtime,
+            vmms,
+        }
+    }
 
-        // Act: stop the process that runs the VM (the deepest: under the jail, the supervisor's
-        // child).
-        stop(&vmm_ends[0]);
-        let status = wait_at_most(&mut child, Duration::from_secs(180));
+    /// Asserts that every bulkhead-vmm of the run ended and no runtime file is left.
+    fn assert_nothing_left(&self) {
+        for (pid, end) in &self.vmms {
+            // SIGKILL reaches a stopped process; it ends at once, or when its supervisor's
+            // death (PR_SET_PDEATHSIG) reaches it.
+            assert!(
+                ends_within(end, Duration::from_secs(60)),
+                "bulkhead-vmm {pid} survived"
+            );
+        }
+        let left: Vec<_> = std::fs::read_dir(self.runtime.path()).unwrap().collect();
+        assert!(left.is_empty(), "runtime files left: {left:?}");
+    }
+}
+
+guest_test!(
+    fn a_guest_that_stops_answering_is_given_up_after_the_timeout_and_its_vm_destroyed() {
+        // Arrange: --timeout 10 leaves a loaded host ample time to stop the VM before the
+        // agent's own timeout would end the command.
+        let mut run = StalledRun::start(&[
+            "--timeout",
+            "10",
+            "--",
+            "sh",
+            "-c",
+            "echo started; exec sleep 1000",
+        ]);
+
+        // Act
+        let status = wait_at_most(&mut run.child, Duration::from_secs(180));
 
         // Assert
-        let stderr = take_stderr(&mut child);
+        let stderr = take_stderr(&mut run.child);
         assert_eq!(status.code(), Some(124), "{status}: {stderr}");
         assert!(
             stderr.contains(
@@ -355,17 +385,48 @@ guest_test!(
             ),
             "{stderr}"
         );
-        for (pid, end) in vmms.iter().zip(&vmm_ends) {
-            // SIGKILL reaches a stopped process; it ends at once, or when its supervisor's
-            // death (PR_SET_PDEATHSIG) reaches it.
-            assert!(
-                ends_within(end, Duration::from_secs(60)),
-                "bulkhead-vmm {pid} survived"
-            );
-        }
-        let left: Vec<_> = std::fs::read_dir(runtime.path()).unwrap().collect();
-        assert!(left.is_empty(), "runtime files left: {left:?}");
-        drop(stdout);
+        run.assert_nothing_left();
+    }
+);
+
+guest_test!(
+    fn sigterm_to_a_run_whose_guest_stopped_answering_ends_it_after_the_grace() {
+        // Arrange: no --timeout, so only the signal can end this run.
+        let mut run = StalledRun::start(&["--", "sh", "-c", "echo started; exec sleep 1000"]);
+
+        // Act
+        // SAFETY: SIGTERM to our own child process, not yet reaped.
+        unsafe { libc::kill(run.child.id() as libc::pid_t, libc::SIGTERM) };
+        let status = wait_at_most(&mut run.child, Duration::from_secs(180));
+
+        // Assert
+        let stderr = take_stderr(&mut run.child);
+        assert_eq!(status.code(), Some(143), "{status}: {stderr}");
+        assert!(
+            stderr.contains(
+                "bulkhead: the command did not end within 10 s of signal 15; destroying the VM"
+            ),
+            "{stderr}"
+        );
+        run.assert_nothing_left();
+    }
+);
+
+guest_test!(
+    fn a_command_whose_output_reader_went_away_gets_sigpipe_as_on_a_local_pipe() {
+        // Arrange: `yes` never ends by itself.
+        let runtime = socket_dir();
+        let mut child = spawn_run(&["--", "yes"], runtime.path());
+        let mut first = [0u8; 10];
+        child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+
+        // Act: the reader is gone (our end of the pipe was dropped above).
+        let status = wait_at_most(&mut child, Duration::from_secs(180));
+
+        // Assert: killed by SIGPIPE in the guest (128 + 13).
+        let stderr = take_stderr(&mut child);
+        assert_eq!(&first, b"y\ny\ny\ny\ny\n");
+        assert_eq!(status.code(), Some(141), "{status}: {stderr}");
     }
 );
 

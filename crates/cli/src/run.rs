@@ -2,9 +2,8 @@
 //! output streamed, destroy the VM, exit with the command's status.
 
 use std::ffi::OsString;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::thread;
 use std::time::Duration;
 
 use bulkhead_image::StoreError;
@@ -16,7 +15,9 @@ use bulkhead_vmm::vstate::kvm::host_kvm;
 use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 
 use crate::{run_export, rundir};
+use output::{forward_stdin, write_out};
 
+mod output;
 mod watchdog;
 
 /// How long a failed run waits for the VMM to end before reporting (1 s).
@@ -176,8 +177,12 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let router = SignalRouter::install(run_dir.path().to_owned())?;
     let mut sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
     let patience = agent_patience(args.boot_timeout);
-    let outcome = run_command(&sandbox, &request, &router, patience)
-        .map_err(|e| explain_vm_end(&mut sandbox, e));
+    let outcome = run_command(&sandbox, &request, &router, patience);
+    router.command_ended();
+    let outcome = match (outcome, crate::signals::gave_up_after_signal()) {
+        (Err(_), Some(sig)) => Ok(Outcome::GaveUpAfterSignal(sig)),
+        (outcome, _) => outcome.map_err(|e| explain_vm_end(&mut sandbox, e)),
+    };
     let exported = match (&outcome, &export_to) {
         (Ok(Outcome::Exited(_)), Some(target)) => run_export::export(&sandbox, target),
         _ => Ok(()),
@@ -428,6 +433,8 @@ enum Outcome {
     Exited(ExitStatus),
     /// The host-side watchdog gave up on the guest (see [`watchdog`]).
     Abandoned,
+    /// The command did not end within [`crate::signals::STOP_GRACE`] of this forwarded signal.
+    GaveUpAfterSignal(i32),
 }
 
 /// Runs `request` in `sandbox` with our stdin forwarded and its output streamed; connecting
@@ -447,10 +454,12 @@ fn run_command(
     let (writer, mut reader) = session.split();
     let watchdog = watched_timeout(request).map(|t| arm_watchdog(t, &writer, sandbox));
     router.command_started(writer.clone());
+    let signaller = writer.clone();
     forward_stdin(writer);
     let mut stdout = io::stdout().lock();
     let mut stderr = io::stderr();
     let mut lost: Option<io::Error> = None;
+    let mut pipe_signalled = false;
     loop {
         let event = reader.next_event();
         if ends_run(&event) && watchdog.as_ref().is_some_and(|w| !w.disarm()) {
@@ -459,8 +468,17 @@ fn run_command(
         let event = event.map_err(|e| e.to_string())?;
         sandbox.mark_first_output();
         match event {
-            Some(ExecEvent::Stdout(bytes)) => write_out(&mut stdout, &bytes, &mut lost),
-            Some(ExecEvent::Stderr(bytes)) => write_out(&mut stderr, &bytes, &mut lost),
+            Some(ExecEvent::Stdout(bytes)) => {
+                let gone = write_out(&mut stdout, &bytes, &mut lost);
+                if gone && !pipe_signalled {
+                    // As on a local pipe, a writer whose reader went away gets SIGPIPE.
+                    pipe_signalled = true;
+                    let _ = signaller.signal(libc::SIGPIPE);
+                }
+            }
+            Some(ExecEvent::Stderr(bytes)) => {
+                write_out(&mut stderr, &bytes, &mut lost);
+            }
             Some(ExecEvent::Exit(status)) => {
                 let _ = stdout.flush();
                 return match lost {
@@ -496,49 +514,13 @@ fn arm_watchdog(timeout: Duration, writer: &ExecWriter, sandbox: &Sandbox) -> wa
     })
 }
 
-/// Writes command output to our stdout/stderr. A reader that went away (EPIPE, e.g. `| head`)
-/// is not an error: the command runs on, as it would on a local pipe. Any other write error
-/// means output was lost; the first is kept in `lost` so the run fails (exit 125) instead of
-/// silently returning truncated output.
-fn write_out(out: &mut impl Write, bytes: &[u8], lost: &mut Option<io::Error>) {
-    match out.write_all(bytes).and_then(|()| out.flush()) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => tracing::debug!("local output closed"),
-        Err(e) => {
-            tracing::debug!("writing output: {e}");
-            lost.get_or_insert(e);
-        }
-    }
-}
-
-/// Copies our stdin to the command until EOF, on a detached thread (it may block on a terminal
-/// after the command is done; the process exits without waiting for it).
-fn forward_stdin(writer: ExecWriter) {
-    thread::spawn(move || {
-        let mut stdin = io::stdin().lock();
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            match stdin.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    if writer.write_stdin(&buf[..n]).is_err() {
-                        return;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
-            }
-        }
-        let _ = writer.close_stdin();
-    });
-}
-
-/// The process exit status for how the run ended: the command's status, or
-/// [`EXIT_TIMEOUT`] (124) when the watchdog gave up on the guest.
+/// The process exit status for how the run ended: the command's status, [`EXIT_TIMEOUT`] (124)
+/// when the watchdog gave up on the guest, 128+N when the run gave up after signal N.
 fn outcome_code(outcome: &Outcome) -> u8 {
     match outcome {
         Outcome::Exited(status) => exit_code(status),
         Outcome::Abandoned => EXIT_TIMEOUT,
+        Outcome::GaveUpAfterSignal(sig) => u8::try_from(128 + sig).unwrap_or(u8::MAX),
     }
 }
 
@@ -558,29 +540,6 @@ fn exit_code(status: &ExitStatus) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A writer that fails every write with `kind`.
-    struct Failing(io::ErrorKind);
-
-    impl Write for Failing {
-        fn write(&mut self, _: &[u8]) -> io::Result<usize> {
-            Err(io::Error::from(self.0))
-        }
-        fn flush(&mut self) -> io::Result<()> {
-            Ok(())
-        }
-    }
-
-    #[test]
-    fn a_reader_that_went_away_is_not_lost_output_but_a_failing_write_is() {
-        let (mut gone, mut full) = (None, None);
-
-        write_out(&mut Failing(io::ErrorKind::BrokenPipe), b"x", &mut gone);
-        write_out(&mut Failing(io::ErrorKind::StorageFull), b"x", &mut full);
-
-        assert!(gone.is_none());
-        assert_eq!(full.map(|e| e.kind()), Some(io::ErrorKind::StorageFull));
-    }
 
     #[test]
     fn signals_map_to_128_plus_n_and_timeouts_to_124() {
@@ -615,6 +574,7 @@ mod tests {
 
         assert_eq!(outcome_code(&Outcome::Abandoned), EXIT_TIMEOUT);
         assert_eq!(outcome_code(&Outcome::Exited(seven)), 7);
+        assert_eq!(outcome_code(&Outcome::GaveUpAfterSignal(15)), 143);
     }
 
     #[test]
