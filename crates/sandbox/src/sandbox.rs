@@ -45,6 +45,14 @@ pub enum Error {
         /// What to do about it.
         hint: &'static str,
     },
+    /// A path given for a file the sandbox needs is a directory or another non-regular file.
+    #[error("{what} {path} is not a regular file")]
+    NotAFile {
+        /// "kernel" or "initramfs".
+        what: &'static str,
+        /// The path looked at.
+        path: PathBuf,
+    },
     /// The runtime directory or a file in it could not be created.
     #[error("cannot prepare the sandbox runtime directory {path}: {source}")]
     RuntimeDir {
@@ -521,6 +529,12 @@ impl Drop for Sandbox {
 fn check_inputs(config: &SandboxConfig) -> Result<(), Error> {
     let setup_hint = "; run scripts/setup.sh or pass the path explicitly";
     for (what, path) in [("kernel", &config.kernel), ("initramfs", &config.initrd)] {
+        if path.exists() && !path.is_file() {
+            return Err(Error::NotAFile {
+                what,
+                path: path.clone(),
+            });
+        }
         if !path.is_file() {
             return Err(Error::Missing {
                 what,

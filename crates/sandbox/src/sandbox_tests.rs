@@ -29,6 +29,21 @@ fn missing_kernel_is_reported_with_a_hint() {
 }
 
 #[test]
+fn a_directory_given_as_the_kernel_is_not_reported_as_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_in(dir.path());
+    config.kernel = dir.path().to_owned();
+
+    let err = Sandbox::start(&config).unwrap_err();
+
+    assert!(
+        matches!(err, Error::NotAFile { what: "kernel", .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().ends_with("is not a regular file"), "{err}");
+}
+
+#[test]
 fn a_vmm_that_exits_early_is_reported_with_its_log_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let vmm = dir.path().join("fake-vmm");
