@@ -147,6 +147,7 @@ fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
         .map_err(|_| format!("`{s}` is not a number of seconds"))?;
     match Duration::try_from_secs_f64(secs) {
         Ok(d) if d >= Duration::from_millis(1) => Ok(d),
+        Err(_) if secs > 1.0 => Err("it is too large: at most 1.8e19 seconds".to_owned()),
         _ => Err("it must be a number of seconds of at least 0.001".to_owned()),
     }
 }
@@ -663,6 +664,8 @@ mod tests {
         assert!(parse_positive_seconds("inf").is_err());
         assert!(parse_positive_seconds("NaN").is_err());
         assert!(parse_positive_seconds("soon").is_err());
+        let huge = parse_positive_seconds("18446744073709551615").unwrap_err();
+        assert!(huge.contains("too large"), "{huge}");
     }
 
     #[test]
