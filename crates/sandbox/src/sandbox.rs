@@ -639,11 +639,23 @@ fn wait_ready(
             let status = child.wait().map_err(Error::Process)?;
             Err(Error::VmExited {
                 status: status.to_string(),
-                log: tail_lines(log, LOG_TAIL_LINES),
+                log: log_or_explanation(tail_lines(log, LOG_TAIL_LINES), status.success()),
             })
         }
         Woken::TimedOut => Err(Error::ReadyTimeout(timeout)),
     }
+}
+
+/// The VMM's log tail for [`Error::VmExited`]; when it is empty and the VMM ended cleanly
+/// (`clean`), the guest rebooted by itself, and the text says what that usually means.
+fn log_or_explanation(log: String, clean: bool) -> String {
+    if !log.trim().is_empty() || !clean {
+        return log;
+    }
+    "(empty: the guest rebooted or powered off by itself, as a kernel does after a panic such \
+     as finding no usable /init; check that the initramfs holds the bulkhead agent as /init, and \
+     keep the guest console (`bulkhead run --console FILE`, `SandboxConfig::console`) to see why)"
+        .to_owned()
 }
 
 /// The last `count` lines of the file at `path`, read from at most its last [`TAIL_BYTES`].

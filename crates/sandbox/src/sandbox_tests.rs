@@ -29,6 +29,17 @@ fn missing_kernel_is_reported_with_a_hint() {
 }
 
 #[test]
+fn a_vm_that_rebooted_by_itself_without_a_log_is_explained() {
+    let explained = log_or_explanation(String::new(), true);
+    let failed = log_or_explanation(String::new(), false);
+    let logged = log_or_explanation("error: x".to_owned(), true);
+
+    assert!(explained.contains("/init"), "{explained}");
+    assert_eq!(failed, "");
+    assert_eq!(logged, "error: x");
+}
+
+#[test]
 fn a_directory_given_as_the_kernel_is_not_reported_as_missing() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = config_in(dir.path());
