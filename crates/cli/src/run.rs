@@ -510,7 +510,8 @@ fn watched_timeout(request: &ExecRequest) -> Option<Duration> {
 fn arm_watchdog(timeout: Duration, writer: &ExecWriter, sandbox: &Sandbox) -> watchdog::Watchdog {
     let (writer, vmm) = (writer.clone(), sandbox.vmm_pidfd().ok());
     watchdog::Watchdog::arm(watchdog::limit(timeout), move || {
-        eprintln!("{}", watchdog::message(timeout));
+        // Not eprintln!: with stderr a closed pipe it would panic this thread before the cut-off.
+        let _ = writeln!(io::stderr(), "{}", watchdog::message(timeout));
         watchdog::cut_off(writer, vmm);
     })
 }
