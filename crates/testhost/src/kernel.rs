@@ -351,6 +351,7 @@ fn build_entry(work: &Path, deb: &Path, package: &KernelPackage) -> Result<(), K
     let release_dir = first_with_prefix(&tree.join("lib/modules"), "")?
         .or(first_with_prefix(&tree.join("usr/lib/modules"), "")?)
         .ok_or_else(|| missing("lib/modules/<release>"))?;
+    decompress_modules(&release_dir)?;
     let modules = modules::resolve(&release_dir.join("kernel"), &config)?;
     copy(&vmlinuz, &work.join("vmlinuz"))?;
     copy(&config, &work.join("config"))?;
@@ -358,6 +359,15 @@ fn build_entry(work: &Path, deb: &Path, package: &KernelPackage) -> Result<(), K
     extract_vmlinux(&work.join("vmlinuz"), &work.join("vmlinux"));
     cache::remove_tree(&tree)?;
     Ok(())
+}
+
+/// Decompresses every `*.ko.xz` under `dir` in place (Debian ships modules xz-compressed since
+/// its 6.x backports and trixie kernels; `insmod` in the test host's busybox wants plain `.ko`).
+fn decompress_modules(dir: &Path) -> Result<(), KernelError> {
+    let mut cmd = Command::new("find");
+    cmd.arg(dir)
+        .args(["-name", "*.ko.xz", "-exec", "xz", "-d", "{}", "+"]);
+    run_tool(cmd, "xz", "xz-utils", "").map(drop)
 }
 
 /// Copies the chosen modules to `work/modules/` and writes `work/modules.order`.
@@ -456,6 +466,24 @@ fn extract_vmlinux(vmlinuz: &Path, out: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn xz_compressed_modules_are_decompressed_in_place() {
+        // Arrange: a module tree as Debian's 6.12 packages ship it.
+        let dir = tempfile::tempdir().unwrap();
+        let kvm = dir.path().join("arch/x86/kvm");
+        fs::create_dir_all(&kvm).unwrap();
+        fs::write(kvm.join("kvm.ko"), b"module bytes").unwrap();
+        let xz = Command::new("xz").arg(kvm.join("kvm.ko")).status().unwrap();
+        assert!(xz.success() && kvm.join("kvm.ko.xz").exists());
+
+        // Act
+        decompress_modules(dir.path()).unwrap();
+
+        // Assert
+        assert_eq!(fs::read(kvm.join("kvm.ko")).unwrap(), b"module bytes");
+        assert!(!kvm.join("kvm.ko.xz").exists());
+    }
 
     #[test]
     fn metapackage_depends_names_the_kernel_package_and_version() {

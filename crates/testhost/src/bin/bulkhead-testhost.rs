@@ -61,6 +61,10 @@ struct RunArgs {
     /// Extra kernel command line argument for the test host (repeatable), e.g. `loglevel=7`.
     #[arg(long = "kernel-arg", value_name = "ARG")]
     kernel_args: Vec<String>,
+    /// Debian kernel package to boot the test host with (e.g. `linux-image-6.12.95+deb12-amd64`
+    /// from bookworm-backports, once apt knows it) [default: what `linux-image-amd64` depends on].
+    #[arg(long = "kernel-package", value_name = "PACKAGE")]
+    kernel_package: Option<String>,
     /// Print QEMU's pid, the run directory and timings to stderr.
     #[arg(short, long)]
     verbose: bool,
@@ -137,6 +141,7 @@ fn run_command(args: RunArgs) -> Result<u8> {
         shares,
         extra_libs_for: libs_for,
         kernel_args: args.kernel_args,
+        kernel_package: args.kernel_package,
         tcg_threads: if args.mttcg {
             TcgThreads::Multi
         } else {
