@@ -18,7 +18,7 @@ use crate::{run_export, rundir};
 use output::{forward_stdin, write_out};
 
 mod output;
-mod watchdog;
+pub(crate) mod watchdog;
 
 /// How long a failed run waits for the VMM to end before reporting (1 s).
 const VM_END_WAIT: Duration = Duration::from_secs(1);
@@ -179,8 +179,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let mut sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
     let patience = agent_patience(args.boot_timeout);
     let outcome = run_command(&sandbox, &request, &router, patience);
-    router.command_ended();
-    let outcome = match (outcome, crate::signals::gave_up_after_signal()) {
+    let outcome = match (outcome, router.command_ended()) {
         (Err(_), Some(sig)) => Ok(Outcome::GaveUpAfterSignal(sig)),
         (outcome, _) => outcome.map_err(|e| explain_vm_end(&mut sandbox, e)),
     };

@@ -7,11 +7,10 @@
 //! normally with the command's status. Should the command still not have ended [`STOP_GRACE`]
 //! after the first forwarded signal (a stalled guest, or a command that ignores it), the run
 //! gives up on the guest: it says so, cuts the connection, destroys the VM and exits 128+N
-//! ([`gave_up_after_signal`]).
+//! ([`SignalRouter::command_ended`] tells).
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -19,21 +18,11 @@ use std::time::Duration;
 use bulkhead_protocol::client::ExecWriter;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
 
+use crate::run::watchdog::Watchdog;
+
 /// How long the command gets to end after the first forwarded signal before the run gives up
 /// on the guest (10 s, like `docker stop`'s default).
 pub const STOP_GRACE: Duration = Duration::from_secs(10);
-
-/// The signal after which the run gave up on the guest; 0 while it has not.
-static GAVE_UP_AFTER: AtomicI32 = AtomicI32::new(0);
-
-/// The signal N after which the run gave up on a guest whose command did not end within
-/// [`STOP_GRACE`] (the run then exits 128+N), if it did.
-pub fn gave_up_after_signal() -> Option<i32> {
-    match GAVE_UP_AFTER.load(Ordering::SeqCst) {
-        0 => None,
-        sig => Some(sig),
-    }
-}
 
 /// Where a signal goes.
 enum Target {
@@ -45,9 +34,16 @@ enum Target {
     Ended,
 }
 
+/// Where signals go, and the [`STOP_GRACE`] watchdog armed by the first forwarded signal N
+/// (with N).
+struct Routing {
+    target: Target,
+    grace: Option<(i32, Watchdog)>,
+}
+
 /// Routes the signals `bulkhead run` receives (see the module docs).
 pub struct SignalRouter {
-    target: Arc<Mutex<Target>>,
+    routing: Arc<Mutex<Routing>>,
 }
 
 impl SignalRouter {
@@ -59,67 +55,72 @@ impl SignalRouter {
     pub fn install(run_dir: PathBuf) -> Result<Self, String> {
         let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
             .map_err(|e| format!("cannot install signal handlers: {e}"))?;
-        let target = Arc::new(Mutex::new(Target::Booting(run_dir)));
-        let routed = Arc::clone(&target);
+        let routing = Arc::new(Mutex::new(Routing {
+            target: Target::Booting(run_dir),
+            grace: None,
+        }));
+        let routed = Arc::clone(&routing);
         thread::spawn(move || {
-            let mut grace_armed = false;
             for sig in signals.forever() {
-                let target = routed.lock().unwrap_or_else(|p| p.into_inner());
-                match &*target {
-                    Target::Booting(dir) => {
-                        let _ = std::fs::remove_dir_all(dir);
-                        // Not eprintln!: with stderr a closed pipe it would panic this thread.
-                        let _ = writeln!(
-                            std::io::stderr(),
-                            "bulkhead: signal {sig} while the VM was starting; stopped"
-                        );
-                        std::process::exit(128 + sig);
-                    }
-                    Target::Running(writer) => {
-                        let writer = writer.clone();
-                        drop(target);
-                        if !grace_armed {
-                            grace_armed = true;
-                            give_up_after_grace(Arc::clone(&routed), sig);
-                        }
-                        // An error means the command has just ended; its status is on its way.
-                        let _ = writer.signal(sig);
-                    }
-                    Target::Ended => {}
+                let mut routing = routed.lock().unwrap_or_else(|p| p.into_inner());
+                let writer = match &routing.target {
+                    Target::Booting(dir) => stop_booting(dir, sig),
+                    Target::Running(writer) => writer.clone(),
+                    Target::Ended => continue,
+                };
+                if routing.grace.is_none() {
+                    routing.grace = Some((sig, give_up_after_grace(writer.clone(), sig)));
                 }
+                // Not under the lock: the write may wait for a busy connection.
+                drop(routing);
+                // An error means the command has just ended; its status is on its way.
+                let _ = writer.signal(sig);
             }
         });
-        Ok(SignalRouter { target })
+        Ok(SignalRouter { routing })
     }
 
     /// From now on, signals go to the command behind `writer`.
     pub fn command_started(&self, writer: ExecWriter) {
-        *self.target.lock().unwrap_or_else(|p| p.into_inner()) = Target::Running(writer);
+        self.routing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .target = Target::Running(writer);
     }
 
     /// The command's run is over (ended, failed or given up on): signals are no longer
-    /// forwarded, and a pending [`STOP_GRACE`] does nothing.
-    pub fn command_ended(&self) {
-        *self.target.lock().unwrap_or_else(|p| p.into_inner()) = Target::Ended;
+    /// forwarded, and a pending [`STOP_GRACE`] does nothing. Returns the signal N when the run
+    /// gave up on the guest [`STOP_GRACE`] after forwarding N (the run then exits 128+N).
+    pub fn command_ended(&self) -> Option<i32> {
+        let mut routing = self.routing.lock().unwrap_or_else(|p| p.into_inner());
+        routing.target = Target::Ended;
+        let (sig, grace) = routing.grace.take()?;
+        (!grace.disarm()).then_some(sig)
     }
 }
 
-/// After [`STOP_GRACE`], when the command still runs, records `sig` for
-/// [`gave_up_after_signal`], says so on stderr and cuts the command's connection (the run's
-/// reader then returns and the VM is destroyed).
-fn give_up_after_grace(target: Arc<Mutex<Target>>, sig: i32) {
-    thread::spawn(move || {
-        thread::sleep(STOP_GRACE);
-        let target = target.lock().unwrap_or_else(|p| p.into_inner());
-        let Target::Running(writer) = &*target else {
-            return;
-        };
-        GAVE_UP_AFTER.store(sig, Ordering::SeqCst);
+/// Signal `sig` while the VM boots: removes the run's directory `dir` and exits 128+`sig`.
+fn stop_booting(dir: &std::path::Path, sig: i32) -> ! {
+    let _ = std::fs::remove_dir_all(dir);
+    // Not eprintln!: with stderr a closed pipe it would panic this thread.
+    let _ = writeln!(
+        std::io::stderr(),
+        "bulkhead: signal {sig} while the VM was starting; stopped"
+    );
+    std::process::exit(128 + sig);
+}
+
+/// A watchdog that, [`STOP_GRACE`] after signal `sig` was forwarded, says so on stderr and
+/// cuts the command's connection behind `writer` (the run's reader then returns and the VM is
+/// destroyed), unless [`SignalRouter::command_ended`] disarms it first.
+fn give_up_after_grace(writer: ExecWriter, sig: i32) -> Watchdog {
+    Watchdog::arm(STOP_GRACE, move || {
+        // Not eprintln!: with stderr a closed pipe it would panic this thread before the cut-off.
         let _ = writeln!(
             std::io::stderr(),
             "bulkhead: the command did not end within {} s of signal {sig}; destroying the VM",
             STOP_GRACE.as_secs()
         );
         let _ = writer.disconnect();
-    });
+    })
 }

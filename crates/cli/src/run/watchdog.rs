@@ -6,7 +6,8 @@
 //! when the command has started: if the end has not been reported [`limit`] after that
 //! (`S` plus a [`grace`] for the agent to kill the group and report), it prints [`message`] on
 //! stderr and cuts the connection ([`cut_off`]), so that the blocked reader returns; the run
-//! then destroys the VM and exits 124.
+//! then destroys the VM and exits 124. [`Watchdog`] itself also bounds the wait after a signal
+//! forwarded to the command (`crate::signals`).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Condvar, Mutex};
@@ -54,14 +55,14 @@ enum State {
 /// A running watchdog: after its limit it runs its action unless disarmed first. Dropping it
 /// disarms it.
 #[derive(Debug)]
-pub(super) struct Watchdog {
+pub(crate) struct Watchdog {
     shared: Arc<(Mutex<State>, Condvar)>,
 }
 
 impl Watchdog {
     /// Starts a thread that runs `on_fire` once `limit` has passed, unless
     /// [`Watchdog::disarm`] is called first.
-    pub(super) fn arm(limit: Duration, on_fire: impl FnOnce() + Send + 'static) -> Watchdog {
+    pub(crate) fn arm(limit: Duration, on_fire: impl FnOnce() + Send + 'static) -> Watchdog {
         let shared = Arc::new((Mutex::new(State::Armed), Condvar::new()));
         let watched = Arc::clone(&shared);
         thread::spawn(move || {
@@ -74,7 +75,7 @@ impl Watchdog {
 
     /// Stops the watchdog; true when it had not fired (the run's own outcome stands), false
     /// when it fired first (the run was abandoned and must end as timed out).
-    pub(super) fn disarm(&self) -> bool {
+    pub(crate) fn disarm(&self) -> bool {
         let (state, wake) = &*self.shared;
         let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
         if *state == State::Armed {
