@@ -2,7 +2,8 @@
 
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::VmFd;
-use vm_memory::{GuestAddress, GuestMemory, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::mmap::FromRangesError;
+use vm_memory::{GuestAddress, GuestMemory, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap};
 
 /// Smallest guest RAM bulkhead accepts, MiB. A 6.1 kernel with an initramfs needs more than this
 /// to boot; the bound only rejects configurations that cannot work at all.
@@ -41,9 +42,17 @@ pub enum Error {
     },
 }
 
+/// Size of a huge page (a PMD mapping on x86_64 and on aarch64 with 4 KiB pages), bytes.
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
 /// Maps `mib` MiB of anonymous guest RAM in the regions `layout` gives for a size in bytes.
 ///
-/// Pages are not touched here: the host commits them when the guest first uses them.
+/// Pages are not touched here: the host commits them when the guest first uses them. Each
+/// region's host address is, as far as the host allows, aligned to [`HUGE_PAGE_BYTES`] (2 MiB),
+/// like its GPA, so KVM may map the guest's RAM with 2 MiB pages in its nested page tables when
+/// the host backs it with transparent huge pages: a 4 KiB-only mapping costs one vCPU exit per
+/// 4 KiB the guest touches first. The alignment only changes where the memory lies; when the
+/// host places a region elsewhere, it works unaligned.
 ///
 /// # Errors
 /// [`Error::Size`] for sizes outside the accepted range, [`Error::Mmap`] when the host refuses.
@@ -54,8 +63,93 @@ pub fn create_guest_memory(
     if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&mib) {
         return Err(Error::Size(mib));
     }
-    let ranges = layout(u64::from(mib) << 20);
-    GuestMemoryMmap::from_ranges(&ranges).map_err(|source| Error::Mmap { mib, source })
+    let regions = layout(u64::from(mib) << 20)
+        .into_iter()
+        .map(|(gpa, size)| map_region(gpa, size))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| Error::Mmap { mib, source })?;
+    GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Mmap {
+        mib,
+        source: e.into(),
+    })
+}
+
+/// Maps one region of `size` bytes of anonymous memory for `gpa`, at a 2 MiB-aligned host
+/// address when the host's placement allows (see [`AlignedHole`]).
+fn map_region(gpa: GuestAddress, size: usize) -> Result<GuestRegionMmap, FromRangesError> {
+    let hole = AlignedHole::reserve(size);
+    let region = GuestRegionMmap::from_range(gpa, size, None)?;
+    drop(hole);
+    let host = region.as_ptr() as usize;
+    tracing::debug!(
+        "guest RAM at GPA {:#x}: {size} bytes at host address {host:#x} ({}2 MiB-aligned)",
+        gpa.0,
+        if host % HUGE_PAGE_BYTES == 0 {
+            ""
+        } else {
+            "not "
+        }
+    );
+    Ok(region)
+}
+
+/// A 2 MiB-aligned hole of a given size inside an otherwise inaccessible reservation: the next
+/// anonymous mapping of that size usually lands in it, as Linux places new mappings in the
+/// highest free gap that fits and the reservation took the highest gap that fits the size plus
+/// 2 MiB. Dropping it unmaps the reservation's remaining parts.
+struct AlignedHole {
+    /// The reserved (PROT_NONE) ranges around the hole: (host address, length in bytes).
+    fences: [(usize, usize); 2],
+}
+
+impl AlignedHole {
+    /// Reserves `size` + 2 MiB of address space and unmaps a 2 MiB-aligned `size` bytes of it;
+    /// `None` when the host refuses the reservation (the region is then mapped anywhere).
+    fn reserve(size: usize) -> Option<AlignedHole> {
+        let total = size.checked_add(HUGE_PAGE_BYTES)?;
+        // SAFETY: a new private anonymous PROT_NONE mapping at an address of the kernel's
+        // choosing; it replaces nothing and no memory of ours refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        let (base, end) = (base as usize, base as usize + total);
+        // end - size = base + 2 MiB, so the aligned hole starts at or after base.
+        let hole = (end - size) & !(HUGE_PAGE_BYTES - 1);
+        // SAFETY: [hole, hole + size) lies inside the reservation made above, which nothing
+        // else uses.
+        unsafe { libc::munmap(hole as *mut libc::c_void, size) };
+        Some(AlignedHole {
+            fences: [(base, hole - base), (hole + size, end - hole - size)],
+        })
+    }
+
+    /// Host address of the hole (2 MiB-aligned).
+    #[cfg(test)]
+    fn start(&self) -> usize {
+        self.fences[0].0 + self.fences[0].1
+    }
+}
+
+impl Drop for AlignedHole {
+    fn drop(&mut self) {
+        for (addr, len) in self.fences {
+            if len > 0 {
+                // SAFETY: each fence is a part of the PROT_NONE reservation this value made and
+                // still owns; nothing else was mapped over it.
+                unsafe { libc::munmap(addr as *mut libc::c_void, len) };
+            }
+        }
+    }
 }
 
 /// Registers every region of `mem` with the VM, one KVM memory slot per region (slots 0, 1, ...).
@@ -100,6 +194,50 @@ mod tests {
 
         assert!(matches!(err, Error::Size(0)));
         assert!(err.to_string().contains("0 MiB"));
+    }
+
+    /// Maps `len` bytes at exactly `addr` unless something is mapped there; true when mapped
+    /// (and unmaps it again).
+    fn free_at(addr: usize, len: usize) -> bool {
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; on success the new
+        // mapping is ours and unmapped at once.
+        unsafe {
+            let p = libc::mmap(
+                addr as *mut libc::c_void,
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            );
+            if p == libc::MAP_FAILED {
+                return false;
+            }
+            libc::munmap(p, len);
+            p as usize == addr
+        }
+    }
+
+    #[test]
+    fn the_hole_is_2_mib_aligned_free_and_fenced_until_dropped() {
+        let size = 6 << 20;
+
+        let hole = AlignedHole::reserve(size).unwrap();
+        let start = hole.start();
+
+        assert_eq!(start % HUGE_PAGE_BYTES, 0);
+        assert!(free_at(start, size), "the hole is free for the guest RAM");
+        let fenced: Vec<_> = hole.fences.iter().filter(|f| f.1 > 0).copied().collect();
+        assert!(!fenced.is_empty());
+        assert!(
+            fenced.iter().all(|&(a, l)| !free_at(a, l)),
+            "the fences hold"
+        );
+        drop(hole);
+        assert!(
+            fenced.iter().all(|&(a, l)| free_at(a, l)),
+            "dropping unmaps them"
+        );
     }
 
     #[test]
