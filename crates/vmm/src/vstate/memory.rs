@@ -218,8 +218,25 @@ mod tests {
         }
     }
 
+    /// Set in the child process that [`the_hole_is_2_mib_aligned_free_and_fenced_until_dropped`]
+    /// runs itself in.
+    const ISOLATED: &str = "BULKHEAD_TEST_ALIGNED_HOLE_ISOLATED";
+
     #[test]
     fn the_hole_is_2_mib_aligned_free_and_fenced_until_dropped() {
+        // The checks map and unmap address space, which other tests' threads in this process
+        // may take at any moment: run them in a child process with this test alone.
+        if std::env::var_os(ISOLATED).is_none() {
+            let module = module_path!().split_once("::").unwrap().1;
+            let name = format!("{module}::the_hole_is_2_mib_aligned_free_and_fenced_until_dropped");
+            let status = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([name.as_str(), "--exact", "--test-threads=1"])
+                .env(ISOLATED, "1")
+                .status()
+                .unwrap();
+            assert!(status.success(), "the isolated run failed: {status}");
+            return;
+        }
         let size = 6 << 20;
 
         let hole = AlignedHole::reserve(size).unwrap();
