@@ -15,8 +15,10 @@ use bulkhead_vmm::vstate::kvm::host_kvm;
 use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 
 use crate::{run_export, rundir};
+use closed_stdio::Output;
 use output::{forward_stdin, write_out};
 
+mod closed_stdio;
 mod output;
 pub(crate) mod watchdog;
 
@@ -456,8 +458,8 @@ fn run_command(
     router.command_started(writer.clone());
     let signaller = writer.clone();
     forward_stdin(writer);
-    let mut stdout = io::stdout().lock();
-    let mut stderr = io::stderr();
+    let mut stdout = Output::stdout();
+    let mut stderr = Output::stderr();
     let mut lost: Option<io::Error> = None;
     let mut pipe_signalled = false;
     loop {
