@@ -9,12 +9,20 @@
 use std::io::{self, Write};
 use std::sync::atomic::{AtomicU8, Ordering};
 
-/// Bit 0: fd 1 (stdout) was closed at exec; bit 1: fd 2 (stderr) was.
+/// Which of fds 1 and 2 were closed at exec: [`STDOUT_BIT`] and [`STDERR_BIT`].
 static CLOSED_AT_START: AtomicU8 = AtomicU8::new(0);
+
+/// Bit of [`CLOSED_AT_START`] set when fd 1 (stdout) was closed at exec.
+const STDOUT_BIT: u8 = 1;
+/// Bit of [`CLOSED_AT_START`] set when fd 2 (stderr) was closed at exec.
+const STDERR_BIT: u8 = 2;
 
 /// Records which of fds 1 and 2 are closed; runs before the Rust runtime's set-up.
 extern "C" fn record_closed_stdio() {
-    for (fd, bit) in [(libc::STDOUT_FILENO, 1), (libc::STDERR_FILENO, 2)] {
+    for (fd, bit) in [
+        (libc::STDOUT_FILENO, STDOUT_BIT),
+        (libc::STDERR_FILENO, STDERR_BIT),
+    ] {
         // SAFETY: F_GETFD only queries this process's descriptor table; no memory is passed.
         if unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
             CLOSED_AT_START.fetch_or(bit, Ordering::Relaxed);
@@ -37,14 +45,14 @@ pub(super) enum Output<W> {
 impl Output<io::StdoutLock<'static>> {
     /// Our stdout, or [`Output::Closed`] when fd 1 was closed when bulkhead started.
     pub(super) fn stdout() -> Self {
-        Self::choose(1, "stdout", || io::stdout().lock())
+        Self::choose(STDOUT_BIT, "stdout", || io::stdout().lock())
     }
 }
 
 impl Output<io::Stderr> {
     /// Our stderr, or [`Output::Closed`] when fd 2 was closed when bulkhead started.
     pub(super) fn stderr() -> Self {
-        Self::choose(2, "stderr", io::stderr)
+        Self::choose(STDERR_BIT, "stderr", io::stderr)
     }
 }
 
