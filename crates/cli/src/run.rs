@@ -18,8 +18,8 @@ use crate::{run_export, rundir};
 use closed_stdio::Output;
 use output::{forward_stdin, write_out};
 
-mod closed_stdio;
-mod output;
+pub(crate) mod closed_stdio;
+pub(crate) mod output;
 pub(crate) mod watchdog;
 
 /// How long a failed run waits for the VMM to end before reporting (1 s).
@@ -37,10 +37,16 @@ pub const MAX_VCPUS: u8 = bulkhead_vmm::config::MAX_VCPUS;
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// Number of vCPUs (1 to the VMM's limit).
-    #[arg(long, default_value_t = 1, value_parser = parse_vcpus)]
+    #[arg(long, default_value_t = 1, value_parser = parse_vcpus, allow_negative_numbers = true)]
     vcpus: u8,
     /// Guest memory, MiB (within the VMM's limits).
-    #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = parse_memory)]
+    #[arg(
+        long,
+        value_name = "MIB",
+        default_value_t = 256,
+        value_parser = parse_memory,
+        allow_negative_numbers = true
+    )]
     memory: u32,
     /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux, Image on
     /// aarch64].
@@ -61,7 +67,12 @@ pub struct RunArgs {
     /// SECS + max(5, SECS/10) seconds of its start (it stalled), bulkhead says so on stderr,
     /// destroys the VM and exits 124 as well. Without --timeout bulkhead waits as long as the
     /// command runs.
-    #[arg(long, value_name = "SECS", value_parser = parse_positive_seconds)]
+    #[arg(
+        long,
+        value_name = "SECS",
+        value_parser = parse_positive_seconds,
+        allow_negative_numbers = true
+    )]
     timeout: Option<Duration>,
     /// User to run as in the guest (name, uid or uid:gid).
     #[arg(long, short = 'u')]
@@ -70,7 +81,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     console: Option<PathBuf>,
     /// Seconds to wait for the guest agent to come up.
-    #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_positive_seconds)]
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value = "60",
+        value_parser = parse_positive_seconds,
+        allow_negative_numbers = true
+    )]
     boot_timeout: Duration,
     /// Print the cold-start phases (ms since the VMM process started) to stderr when the run
     /// ends, one line each.
@@ -82,7 +99,12 @@ pub struct RunArgs {
     image: Option<String>,
     /// Keep the writable layer of --image on a scratch disk of this many MiB (sparse, deleted
     /// with the sandbox) instead of in guest RAM.
-    #[arg(long = "disk", value_name = "MIB", requires = "image")]
+    #[arg(
+        long = "disk",
+        value_name = "MIB",
+        requires = "image",
+        allow_negative_numbers = true
+    )]
     scratch_mib: Option<u64>,
     /// Attach a raw disk image as an extra virtio-blk disk, read-only with `:ro` (repeatable;
     /// /dev/vda, /dev/vdb, ... after the image's disks).
@@ -162,7 +184,8 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let mut config = sandbox_config(&args)?;
     let request = exec_request(&args)?;
     let storage = storage(&args)?;
-    // Bad images and disks are the user's to fix on any host: report them first.
+    // Bad boot files, images and disks are the user's to fix on any host: report them first.
+    config.check_files().map_err(|e| e.to_string())?;
     bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
     bulkhead_sandbox::mounts::check(&config.mounts).map_err(|e| e.to_string())?;
     bulkhead_sandbox::workspace::check(config.workspace.as_ref(), &config.mounts)
@@ -292,15 +315,25 @@ fn user_words() -> Vec<String> {
 }
 
 /// Host directories the test host must share too (the current directory always is; relative
-/// paths are resolved inside it): the absolute directories of `--workspace` and `--mount`, and
-/// the directories that will hold the absolute `--export-patch`, `--export-tar` and `--console`
-/// files (else those would be written inside the test host and lost). Each directory once, in
-/// that order; `/` is left out (the test host cannot share its own root).
+/// paths are resolved inside it): the absolute directories of `--workspace` and `--mount`; the
+/// directories of the files it reads (`--kernel`, `--initrd`, `--disk-file`, `--image` given
+/// as a path) and of those it writes (`--export-patch`, `--export-tar`, `--console`; else they
+/// would be written inside the test host and lost). Each directory once, in that order; `/` is
+/// left out (the test host cannot share its own root).
 fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
     let dirs = args.workspace.iter().map(|w| w.host.as_path());
     let dirs = dirs.chain(args.mounts.iter().map(|m| m.host.as_path()));
-    let files = [&args.export_patch, &args.export_tar, &args.console];
-    let file_dirs = files.into_iter().flatten().filter_map(|f| f.parent());
+    let image_path = args
+        .image
+        .as_deref()
+        .filter(|i| i.contains('/'))
+        .map(Path::new);
+    let read = [args.kernel.as_deref(), args.initrd.as_deref(), image_path];
+    let read = read.into_iter().flatten();
+    let read = read.chain(args.disk_files.iter().map(|d| d.path.as_path()));
+    let written = [&args.export_patch, &args.export_tar, &args.console];
+    let written = written.into_iter().flatten().map(PathBuf::as_path);
+    let file_dirs = read.chain(written).filter_map(Path::parent);
     let mut shares: Vec<PathBuf> = Vec::new();
     for dir in dirs.chain(file_dirs) {
         if dir.is_absolute() && dir != Path::new("/") && !shares.iter().any(|s| s == dir) {
@@ -744,6 +777,43 @@ mod tests {
         );
         assert_eq!(extra_shares(&patch), [Path::new("/out")]);
         assert!(extra_shares(&at_root).is_empty());
+    }
+
+    #[test]
+    fn the_testhost_shares_the_dirs_of_the_boot_files_images_and_disks_it_reads() {
+        let args = run_args(&[
+            "--kernel=/k/vmlinux",
+            "--initrd=/k/initrd.cpio",
+            "--image=/img/root.ext4",
+            "--disk-file=/disks/data.raw:ro",
+            "true",
+        ]);
+        let by_name = run_args(&["--image=alpine", "--kernel=rel/vmlinux", "true"]);
+
+        let shares = extra_shares(&args);
+
+        assert_eq!(
+            shares,
+            [Path::new("/k"), Path::new("/img"), Path::new("/disks")]
+        );
+        assert!(extra_shares(&by_name).is_empty());
+    }
+
+    #[test]
+    fn negative_numbers_get_the_range_message_not_a_flag_error() {
+        #[derive(clap::Parser, Debug)]
+        struct Cli {
+            #[command(flatten)]
+            run: RunArgs,
+        }
+        for flag in ["--timeout", "--vcpus", "--memory", "--boot-timeout"] {
+            let err = <Cli as clap::Parser>::try_parse_from(["run", flag, "-1", "true"])
+                .unwrap_err()
+                .to_string();
+
+            assert!(err.contains("invalid value '-1'"), "{flag}: {err}");
+            assert!(!err.contains("unexpected argument"), "{flag}: {err}");
+        }
     }
 
     #[test]

@@ -220,7 +220,7 @@ impl Sandbox {
     /// fails.
     pub fn start_with(config: &SandboxConfig, storage: &Storage) -> Result<Sandbox, Error> {
         let started = Instant::now();
-        check_inputs(config)?;
+        config.check_files()?;
         storage::check(storage, &config.runtime_dir)?;
         let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
         let dir = make_runtime_dir(&config.runtime_dir)?;
@@ -526,32 +526,42 @@ impl Drop for Sandbox {
     }
 }
 
-fn check_inputs(config: &SandboxConfig) -> Result<(), Error> {
-    let setup_hint = "; run scripts/setup.sh or pass the path explicitly";
-    for (what, path) in [("kernel", &config.kernel), ("initramfs", &config.initrd)] {
-        if path.exists() && !path.is_file() {
-            return Err(Error::NotAFile {
-                what,
-                path: path.clone(),
-            });
+impl SandboxConfig {
+    /// Checks that the kernel and initramfs are regular files and that an explicitly located
+    /// VMM binary exists, without starting anything; [`Sandbox::start_with`] runs the same
+    /// check. Callers that do host-specific checks (e.g. whether KVM can boot a stock kernel)
+    /// call it first, so the user's own mistakes are reported on any host.
+    ///
+    /// # Errors
+    /// [`Error::NotAFile`] for a kernel or initramfs path that is a directory or device,
+    /// [`Error::Missing`] (with a hint) for an absent kernel, initramfs or VMM binary.
+    pub fn check_files(&self) -> Result<(), Error> {
+        let setup_hint = "; run scripts/setup.sh or pass the path explicitly";
+        for (what, path) in [("kernel", &self.kernel), ("initramfs", &self.initrd)] {
+            if path.exists() && !path.is_file() {
+                return Err(Error::NotAFile {
+                    what,
+                    path: path.clone(),
+                });
+            }
+            if !path.is_file() {
+                return Err(Error::Missing {
+                    what,
+                    path: path.clone(),
+                    hint: setup_hint,
+                });
+            }
         }
-        if !path.is_file() {
+        let vmm = &self.vmm_binary;
+        if vmm.components().count() > 1 && !vmm.is_file() {
             return Err(Error::Missing {
-                what,
-                path: path.clone(),
-                hint: setup_hint,
+                what: "bulkhead-vmm",
+                path: vmm.clone(),
+                hint: "; build it with `cargo build -p bulkhead-vmm` or set BULKHEAD_VMM",
             });
         }
+        Ok(())
     }
-    let vmm = &config.vmm_binary;
-    if vmm.components().count() > 1 && !vmm.is_file() {
-        return Err(Error::Missing {
-            what: "bulkhead-vmm",
-            path: vmm.clone(),
-            hint: "; build it with `cargo build -p bulkhead-vmm` or set BULKHEAD_VMM",
-        });
-    }
-    Ok(())
 }
 
 fn make_runtime_dir(parent: &Path) -> Result<tempfile::TempDir, Error> {
