@@ -12,7 +12,13 @@ use bulkhead_client::{
 };
 use bulkhead_sandbox::{Mount, Workspace};
 
+use crate::run::closed_stdio::Output;
+use crate::run::output::write_out;
 use crate::workspace_cmds::{mount_spec, workspace_spec};
+
+/// Exit status of `exec` when its stdout's reader went away: 128 + SIGPIPE, what a local
+/// writer killed by SIGPIPE reports.
+const EXIT_READER_GONE: u8 = 128 + libc::SIGPIPE as u8;
 
 /// How to reach the daemon.
 #[derive(Debug, Clone, clap::Args)]
@@ -288,11 +294,26 @@ pub fn exec(args: ExecArgs) -> ExitCode {
             .exec(&args.id, &spec)
             .await
             .map_err(|e| e.to_string())?;
+        let (mut stdout, mut stderr) = (Output::stdout(), Output::stderr());
+        let mut lost = None;
         loop {
             match stream.next_event().await.map_err(|e| e.to_string())? {
-                Some(ExecEvent::Stdout(b)) => write_out(&mut std::io::stdout(), &b),
-                Some(ExecEvent::Stderr(b)) => write_out(&mut std::io::stderr(), &b),
-                Some(ExecEvent::Exit(exit)) => return Ok(exit_code(&exit)),
+                Some(ExecEvent::Stdout(b)) => {
+                    if write_out(&mut stdout, &b, &mut lost) {
+                        // The reader went away (`| head`): dropping the stream makes the
+                        // daemon close the command's agent connection, which ends it.
+                        return Ok(EXIT_READER_GONE);
+                    }
+                }
+                Some(ExecEvent::Stderr(b)) => {
+                    write_out(&mut stderr, &b, &mut lost);
+                }
+                Some(ExecEvent::Exit(exit)) => {
+                    return match lost {
+                        Some(e) => Err(format!("writing the command's output failed: {e}")),
+                        None => Ok(exit_code(&exit)),
+                    }
+                }
                 None => return Err("the stream ended without an exit status".into()),
             }
         }
@@ -319,12 +340,6 @@ fn read_exec_stdin(input: impl Read) -> Result<Vec<u8>, String> {
         ));
     }
     Ok(bytes)
-}
-
-fn write_out(out: &mut impl Write, bytes: &[u8]) {
-    if out.write_all(bytes).and_then(|()| out.flush()).is_err() {
-        tracing::debug!("local output closed");
-    }
 }
 
 fn exit_code(exit: &bulkhead_client::ExitInfo) -> u8 {

@@ -27,6 +27,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Boot a microVM, run one command in it, stream its output, destroy the VM.
+    #[command(after_help = EXIT_STATUS_HELP)]
     Run(run::RunArgs),
     /// Time N cold starts phase by phase: percentile table, JSON, SVG plot, comparisons.
     Bench(bench::BenchArgs),
@@ -35,6 +36,7 @@ enum Command {
     /// List the daemon's sandboxes.
     Ls(daemon_cmds::LsArgs),
     /// Run a command in a daemon sandbox, streaming its output.
+    #[command(after_help = EXIT_STATUS_HELP)]
     Exec(daemon_cmds::ExecArgs),
     /// Copy a file into (FILE ID:/path) or out of (ID:/path FILE) a daemon sandbox.
     Cp(daemon_cmds::CpArgs),
@@ -78,6 +80,27 @@ fn restore_default_sigpipe() {
 /// Exit status when bulkhead itself fails (as `docker run` does).
 pub const EXIT_BULKHEAD_ERROR: u8 = 125;
 
+/// The exit statuses of `run` and `exec`, shown at the end of their `--help`.
+const EXIT_STATUS_HELP: &str = "Exit status:
+  the command's own exit code when it exited
+  128+N  a signal N killed the command (141: its output's reader went away, SIGPIPE)
+  124    --timeout expired and the command's process group was killed
+  125    bulkhead itself failed: bad input, no VM, the command's output could not be written";
+
+/// Prints clap's `--help` or `--version` text (`e`) to stdout like any Unix tool: killed by
+/// SIGPIPE when the reader went away, and 125 with an error on stderr when stdout was closed
+/// at start or the write failed (e.g. ENOSPC), instead of a silent 0.
+fn print_help(e: &clap::Error) -> ExitCode {
+    restore_default_sigpipe();
+    match run::closed_stdio::check_stdout().and_then(|()| e.print()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("bulkhead: error: writing the help failed: {err}");
+            ExitCode::from(EXIT_BULKHEAD_ERROR)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -90,13 +113,10 @@ fn main() -> ExitCode {
         .init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => return print_help(&e),
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(EXIT_BULKHEAD_ERROR)
-            } else {
-                ExitCode::SUCCESS
-            };
+            return ExitCode::from(EXIT_BULKHEAD_ERROR);
         }
     };
     if cli.command.dies_of_sigpipe() {

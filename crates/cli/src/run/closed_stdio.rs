@@ -35,7 +35,7 @@ extern "C" fn record_closed_stdio() {
 static RECORD_CLOSED_STDIO: extern "C" fn() = record_closed_stdio;
 
 /// Where the command's stdout or stderr goes: ours, or nowhere when ours was closed at start.
-pub(super) enum Output<W> {
+pub(crate) enum Output<W> {
     /// Our stdout/stderr as the process got it.
     Open(W),
     /// It was closed at exec: every write fails with EBADF, naming `.0` ("stdout"/"stderr").
@@ -44,14 +44,14 @@ pub(super) enum Output<W> {
 
 impl Output<io::StdoutLock<'static>> {
     /// Our stdout, or [`Output::Closed`] when fd 1 was closed when bulkhead started.
-    pub(super) fn stdout() -> Self {
+    pub(crate) fn stdout() -> Self {
         Self::choose(STDOUT_BIT, "stdout", || io::stdout().lock())
     }
 }
 
 impl Output<io::Stderr> {
     /// Our stderr, or [`Output::Closed`] when fd 2 was closed when bulkhead started.
-    pub(super) fn stderr() -> Self {
+    pub(crate) fn stderr() -> Self {
         Self::choose(STDERR_BIT, "stderr", io::stderr)
     }
 }
@@ -67,13 +67,27 @@ impl<W> Output<W> {
     }
 }
 
+/// Ok when fd 1 was open when bulkhead started, else the error every write to it gets.
+///
+/// # Errors
+/// "stdout was closed when bulkhead started (EBADF)".
+pub(crate) fn check_stdout() -> io::Result<()> {
+    match Output::stdout() {
+        Output::Open(_) => Ok(()),
+        Output::Closed(name) => Err(closed_error(name)),
+    }
+}
+
+/// The error of a write to `name` ("stdout"/"stderr") that was closed at exec.
+fn closed_error(name: &str) -> io::Error {
+    io::Error::other(format!("{name} was closed when bulkhead started (EBADF)"))
+}
+
 impl<W: Write> Write for Output<W> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
             Output::Open(w) => w.write(buf),
-            Output::Closed(name) => Err(io::Error::other(format!(
-                "{name} was closed when bulkhead started (EBADF)"
-            ))),
+            Output::Closed(name) => Err(closed_error(name)),
         }
     }
 

@@ -10,7 +10,7 @@ use bulkhead_protocol::client::ExecWriter;
 /// would (`bulkhead run -- yes | head` ends). Any other write error means output was lost; the
 /// first is kept in `lost` so the run fails (exit 125) instead of silently returning truncated
 /// output.
-pub(super) fn write_out(out: &mut impl Write, bytes: &[u8], lost: &mut Option<io::Error>) -> bool {
+pub(crate) fn write_out(out: &mut impl Write, bytes: &[u8], lost: &mut Option<io::Error>) -> bool {
     match out.write_all(bytes).and_then(|()| out.flush()) {
         Ok(()) => false,
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {

@@ -1,0 +1,113 @@
+//! `bulkhead exec` (the CLI binary) against a real daemon with the fake VMM: what happens to the
+//! command's output when our stdout is closed or its reader goes away. The CLI binary is the one
+//! `cargo build --workspace --bins` put next to this test's own binaries (scripts/test.sh builds
+//! it before the tests).
+
+mod common;
+
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{rt, spec_with_labels, TestDaemon};
+
+/// `target/<profile>/bulkhead`, built alongside this test.
+fn cli() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let cli = dir.join("bulkhead");
+    assert!(
+        cli.is_file(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        cli.display()
+    );
+    cli
+}
+
+/// A daemon with one running sandbox; returns it and the sandbox's ID.
+fn daemon_with_sandbox() -> (TestDaemon, String) {
+    let daemon = TestDaemon::start();
+    let client = daemon.client();
+    let created = rt()
+        .block_on(client.create(&spec_with_labels(&[])))
+        .unwrap();
+    (daemon, created.id)
+}
+
+/// `bulkhead exec --socket S ID -- ARGS...` with piped stdout and stderr.
+fn exec_command(daemon: &TestDaemon, id: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(cli());
+    cmd.arg("exec")
+        .arg("--socket")
+        .arg(&daemon.socket)
+        .arg(id)
+        .arg("--")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+#[test]
+fn exec_with_stdout_closed_fails_with_125_and_still_delivers_stderr() {
+    // Arrange
+    let (daemon, id) = daemon_with_sandbox();
+    let mut cmd = exec_command(&daemon, &id, &["sh", "-c", "echo lost; echo seen >&2"]);
+    // SAFETY: close(2) is async-signal-safe; the closure touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::close(libc::STDOUT_FILENO);
+            Ok(())
+        });
+    }
+
+    // Act
+    let out = cmd.output().unwrap();
+
+    // Assert: like a local `echo lost >&-`, the lost output is an error, not a silent 0.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(stderr.starts_with("seen\n"), "{stderr}");
+    assert!(stderr.contains("stdout was closed"), "{stderr}");
+}
+
+#[test]
+fn exec_whose_output_reader_goes_away_ends_with_141() {
+    // Arrange: `yes` never ends by itself.
+    let (daemon, id) = daemon_with_sandbox();
+    let mut child = exec_command(&daemon, &id, &["yes"]).spawn().unwrap();
+    let mut first = [0u8; 4];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+
+    // Act: our end of the pipe was dropped above; the CLI's next write gets EPIPE.
+    let status = wait_at_most(&mut child, Duration::from_secs(60));
+
+    // Assert: 128 + SIGPIPE, as a local `yes | head` reports for `yes`.
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert_eq!(&first, b"y\ny\n");
+    assert_eq!(status.code(), Some(141), "{status}: {stderr}");
+}
+
+/// Waits for `child`, killing it (and failing) after `limit`.
+fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("bulkhead exec did not end within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
