@@ -430,6 +430,36 @@ guest_test!(
     }
 );
 
+guest_test!(
+    fn a_closed_stdout_fails_the_run_as_a_local_write_would() {
+        // Arrange: fd 1 closed at exec (`bulkhead run ... >&-`).
+        let a = artifacts();
+        let mut cmd = Command::new(&a.cli);
+        cmd.args(["run", "--", "sh", "-c", "echo lost; echo seen >&2"])
+            .env("BULKHEAD_KERNEL", &a.vmlinux)
+            .env("BULKHEAD_INITRD", &a.agent_initrd)
+            .env("BULKHEAD_VMM", &a.vmm)
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped());
+        // SAFETY: close(2) is async-signal-safe; the closure touches no memory of the parent.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::close(libc::STDOUT_FILENO);
+                Ok(())
+            });
+        }
+
+        // Act
+        let out = cmd.output().expect("run bulkhead");
+
+        // Assert: the lost stdout fails the run (125); stderr still arrives.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(125), "{stderr}");
+        assert!(stderr.starts_with("seen\n"), "{stderr}");
+        assert!(stderr.contains("stdout was closed"), "{stderr}");
+    }
+);
+
 /// The `bulkhead-vmm` processes below `ancestor` (children, grandchildren, ...), deepest first:
 /// under the jail the VM runs in the child of the supervisor that the run spawned.
 fn vmm_processes_below(ancestor: u32) -> Vec<u32> {
