@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::io::Read;
+use std::io::Read as _;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -86,13 +86,8 @@ fn exec_whose_output_reader_goes_away_ends_with_141() {
     let status = wait_at_most(&mut child, Duration::from_secs(60));
 
     // Assert: 128 + SIGPIPE, as a local `yes | head` reports for `yes`.
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
+    let stderr = child.wait_with_output().unwrap().stderr;
+    let stderr = String::from_utf8_lossy(&stderr);
     assert_eq!(&first, b"y\ny\n");
     assert_eq!(status.code(), Some(141), "{status}: {stderr}");
 }
