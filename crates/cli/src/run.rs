@@ -184,8 +184,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let mut config = sandbox_config(&args)?;
     let request = exec_request(&args)?;
     let storage = storage(&args)?;
-    // Bad boot files, images and disks are the user's to fix on any host: report them first.
-    config.check_files().map_err(|e| e.to_string())?;
+    // Bad images, disks and boot files are the user's to fix on any host: report them first.
     bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
     bulkhead_sandbox::mounts::check(&config.mounts).map_err(|e| e.to_string())?;
     bulkhead_sandbox::workspace::check(config.workspace.as_ref(), &config.mounts)
@@ -195,6 +194,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
         args.export_tar.as_deref(),
         config.workspace.as_ref(),
     )?;
+    config.check_files().map_err(|e| e.to_string())?;
     require_bootable_kvm_for(&user_words(), &args)?;
     // This run's own directory for the sandbox's runtime files, so a signal during the boot
     // can remove them (see `signals`); removed at the end of a normal run too.
