@@ -44,6 +44,30 @@ fn process_gone(pid: u32) -> bool {
 }
 
 guest_test!(
+    fn a_guest_without_a_serial_port_boots_and_runs_commands() {
+        // Arrange: no serial port, so the kernel has no console and starts the agent (PID 1)
+        // with fds 0-2 closed.
+        let mut cfg = config(256);
+        cfg.extra_cmdline = vec!["8250.nr_uarts=0".to_owned()];
+
+        // Act
+        let sandbox = Sandbox::start(&cfg).unwrap();
+        let out = run_sh(
+            &sandbox,
+            "echo ok; readlink /proc/1/fd/0; dmesg | grep -c 'unable to open an initial console'",
+        );
+
+        // Assert: the agent came up with its standard fds on /dev/null.
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "ok\n/dev/null\n1\n",
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+);
+
+guest_test!(
     fn timeout_kills_the_whole_process_group() {
         let sandbox = Sandbox::start(&config(256)).unwrap();
         let mut request = sh("sleep 100 & sleep 100");

@@ -1,6 +1,6 @@
-//! Where the agent's own messages go: `/dev/console` as PID 1, stderr in test mode. Every
-//! line starts with `bulkhead-agent: ` and is written with one `write(2)`, so lines from
-//! several threads do not interleave.
+//! Where the agent's own messages go: `/dev/console` (or the kernel log) as PID 1, stderr in
+//! test mode. Every line starts with `bulkhead-agent: ` and is written with one `write(2)`, so
+//! lines from several threads do not interleave.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
@@ -11,13 +11,16 @@ use std::sync::OnceLock;
 static CONSOLE: OnceLock<File> = OnceLock::new();
 
 /// Sends later log lines to `/dev/console` (opened write-only, without becoming the
-/// controlling terminal). Stays on stderr when it cannot be opened.
+/// controlling terminal), or to the kernel log (`/dev/kmsg`, read with `dmesg`) when the guest
+/// has no console. Stays on stderr when neither can be opened.
 pub fn use_console() {
-    let opened = OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_NOCTTY)
-        .open("/dev/console");
-    if let Ok(file) = opened {
+    let open = |path| {
+        OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NOCTTY)
+            .open(path)
+    };
+    if let Ok(file) = open("/dev/console").or_else(|_| open("/dev/kmsg")) {
         let _ = CONSOLE.set(file);
     }
 }

@@ -10,6 +10,8 @@
 //!   (test mode); the workspace flags name directories laid out like an overlay's upper and
 //!   lower layers, whose change set `WorkspaceChanges` then reports.
 
+mod early;
+
 use std::ffi::OsString;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
