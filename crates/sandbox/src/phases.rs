@@ -21,9 +21,11 @@
 //! **`guest_init` is an approximation.** The guest has its own clock; the agent reports
 //! `CLOCK_BOOTTIME` at the start of its `main`. That clock starts near zero when the guest kernel
 //! sets up its clocks, shortly *after* kernel entry, so `kernel_entry + boottime` is anchored at
-//! kernel entry and runs early by however long the kernel ran before its clock started. The
-//! estimate is clamped to
-//! `[kernel_entry, agent_ready]`, the interval in which the agent's start certainly lies.
+//! kernel entry and runs early by however long the kernel ran before its clock started: 60-130
+//! ms in the nested test host (the guest's "kvm-clock: using sched offset" line gives the clock's
+//! start in ns since the VM was created; see `benches/results/README.md`), so that much of
+//! `kernel_entry → guest_init` is booked to `guest_init → agent_ready`. The estimate is clamped
+//! to `[kernel_entry, agent_ready]`, the interval in which the agent's start certainly lies.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
