@@ -12,7 +12,7 @@ use bulkhead_client::{
 };
 use bulkhead_sandbox::{Mount, Workspace};
 
-use crate::run::closed_stdio::Output;
+use crate::run::closed_stdio::{check_stdout, print_stdout, Output};
 use crate::run::output::write_out;
 use crate::workspace_cmds::{mount_spec, workspace_spec};
 
@@ -114,7 +114,7 @@ pub struct ExecArgs {
     #[arg(long, short = 'u')]
     user: Option<String>,
     /// Kill the command after this many seconds (exit status 124).
-    #[arg(long, value_name = "SECS")]
+    #[arg(long, value_name = "SECS", value_parser = timeout_secs)]
     timeout: Option<f64>,
     /// Send all of our stdin to the command (read before it starts; at most 756 KiB, larger
     /// inputs go in with `bulkhead cp`).
@@ -125,6 +125,11 @@ pub struct ExecArgs {
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<String>,
+}
+
+/// `exec --timeout`: seconds as `bulkhead run --timeout` takes them (at least 0.001).
+fn timeout_secs(s: &str) -> Result<f64, String> {
+    crate::run::parse_positive_seconds(s).map(|d| d.as_secs_f64())
 }
 
 /// `bulkhead cp`: copy a file into (`cp FILE ID:/path`) or out of (`cp ID:/path FILE`) a sandbox.
@@ -218,15 +223,21 @@ fn create_spec(args: &CreateArgs) -> Result<CreateSandbox, String> {
 pub fn create(args: CreateArgs) -> ExitCode {
     block_on(async move {
         let spec = create_spec(&args)?;
-        let info = args
-            .daemon
-            .client()
-            .create(&spec)
-            .await
-            .map_err(|e| e.to_string())?;
-        match args.json {
-            true => println!("{}", to_json(&info)),
-            false => println!("{}", info.id),
+        // Nobody could learn the new sandbox's ID: refuse before creating it.
+        check_stdout().map_err(|e| format!("writing to stdout failed: {e}"))?;
+        let client = args.daemon.client();
+        let info = client.create(&spec).await.map_err(|e| e.to_string())?;
+        let text = match args.json {
+            true => format!("{}\n", to_json(&info)),
+            false => format!("{}\n", info.id),
+        };
+        if let Err(e) = print_stdout(&text) {
+            // The ID is lost with the output: destroy the sandbox rather than leave it behind.
+            let destroyed = match client.delete(&info.id).await {
+                Ok(()) => "destroyed".to_owned(),
+                Err(d) => format!("not destroyed: {d}"),
+            };
+            return Err(format!("{e}; sandbox {} {destroyed}", info.id));
         }
         Ok(0)
     })
@@ -243,16 +254,18 @@ pub fn ls(args: LsArgs) -> ExitCode {
             .await
             .map_err(|e| e.to_string())?;
         if args.json {
-            println!("{}", to_json(&list));
+            print_stdout(&format!("{}\n", to_json(&list)))?;
             return Ok(0);
         }
-        println!(
-            "{:<12}  {:<10}  {:>5}  {:>8}  {:<24}  LABELS",
+        let mut text = format!(
+            "{:<12}  {:<10}  {:>5}  {:>8}  {:<24}  LABELS\n",
             "ID", "STATE", "VCPUS", "MEM(MiB)", "CREATED"
         );
         for sb in &list {
-            println!("{}", row(sb));
+            text.push_str(&row(sb));
+            text.push('\n');
         }
+        print_stdout(&text)?;
         Ok(0)
     })
 }
@@ -417,7 +430,7 @@ pub fn logs(args: LogsArgs) -> ExitCode {
             .logs(&args.id, args.lines)
             .await
             .map_err(|e| e.to_string())?;
-        print!("{text}");
+        print_stdout(&text)?;
         Ok(0)
     })
 }

@@ -7,6 +7,8 @@ use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use bulkhead_image::{BuildSpec, ImageStore, Manifest, Phase, Progress};
+
+use crate::run::closed_stdio::print_stdout;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Ticks of the progress bar for a whole build (fractions are reported in 0.0–1.0).
@@ -25,6 +27,7 @@ pub struct ImageArgs {
 #[derive(Debug, clap::Subcommand)]
 enum ImageCommand {
     /// Build a root filesystem image (needs root, network, and a few minutes).
+    #[command(allow_negative_numbers = true)]
     Build(BuildArgs),
     /// List the images in the store.
     Ls(LsArgs),
@@ -272,11 +275,9 @@ fn ls(store: &ImageStore, args: &LsArgs) -> Result<(), String> {
     let manifests = store.list().map_err(|e| e.to_string())?;
     if args.json {
         let json = serde_json::to_string_pretty(&manifests).map_err(|e| e.to_string())?;
-        println!("{json}");
-        return Ok(());
+        return print_stdout(&format!("{json}\n"));
     }
-    print!("{}", ls_table(&manifests));
-    Ok(())
+    print_stdout(&ls_table(&manifests))
 }
 
 /// The `image ls` table: name, size, creation time, short sha256 and packages.
@@ -300,8 +301,7 @@ fn ls_table(manifests: &[Manifest]) -> String {
 
 fn rm(store: &ImageStore, args: &RmArgs) -> Result<(), String> {
     let manifest = store.remove(&args.name).map_err(|e| e.to_string())?;
-    println!("removed image {}", manifest.name);
-    Ok(())
+    print_stdout(&format!("removed image {}\n", manifest.name))
 }
 
 #[cfg(test)]

@@ -27,22 +27,25 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Boot a microVM, run one command in it, stream its output, destroy the VM.
-    #[command(after_help = EXIT_STATUS_HELP)]
+    #[command(after_help = EXIT_STATUS_HELP, allow_negative_numbers = true)]
     Run(run::RunArgs),
     /// Time N cold starts phase by phase: percentile table, JSON, SVG plot, comparisons.
+    #[command(allow_negative_numbers = true)]
     Bench(bench::BenchArgs),
     /// Create a sandbox in the daemon (bulkheadd) and print its ID.
+    #[command(allow_negative_numbers = true)]
     Create(daemon_cmds::CreateArgs),
     /// List the daemon's sandboxes.
     Ls(daemon_cmds::LsArgs),
     /// Run a command in a daemon sandbox, streaming its output.
-    #[command(after_help = EXIT_STATUS_HELP)]
+    #[command(after_help = EXIT_STATUS_HELP, allow_negative_numbers = true)]
     Exec(daemon_cmds::ExecArgs),
     /// Copy a file into (FILE ID:/path) or out of (ID:/path FILE) a daemon sandbox.
     Cp(daemon_cmds::CpArgs),
     /// Destroy daemon sandboxes.
     Rm(daemon_cmds::RmArgs),
     /// Show a daemon sandbox's VMM output and serial console.
+    #[command(allow_negative_numbers = true)]
     Logs(daemon_cmds::LogsArgs),
     /// List what changed in a daemon sandbox's workspace (A/M/D), flagging paths that run code
     /// on the host implicitly.
@@ -82,7 +85,7 @@ pub const EXIT_BULKHEAD_ERROR: u8 = 125;
 
 /// The exit statuses of `run` and `exec`, shown at the end of their `--help`.
 const EXIT_STATUS_HELP: &str = "Exit status:
-  the command's own exit code when it exited
+  N      the command exited with status N
   128+N  a signal N killed the command (141: its output's reader went away, SIGPIPE)
   124    --timeout expired and the command's process group was killed
   125    bulkhead itself failed: bad input, no VM, the command's output could not be written";
@@ -95,7 +98,7 @@ fn print_help(e: &clap::Error) -> ExitCode {
     match run::closed_stdio::check_stdout().and_then(|()| e.print()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("bulkhead: error: writing the help failed: {err}");
+            eprintln!("bulkhead: error: writing to stdout failed: {err}");
             ExitCode::from(EXIT_BULKHEAD_ERROR)
         }
     }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use bulkhead_image::StoreError;
 use bulkhead_protocol::client::{ExecEvent, ExecWriter, DEFAULT_TIMEOUT};
 use bulkhead_protocol::{ExecRequest, ExitStatus};
+use bulkhead_sandbox::storage::MIN_SCRATCH_MIB;
 use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, Workspace};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
@@ -37,15 +38,14 @@ pub const MAX_VCPUS: u8 = bulkhead_vmm::config::MAX_VCPUS;
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// Number of vCPUs (1 to the VMM's limit).
-    #[arg(long, default_value_t = 1, value_parser = parse_vcpus, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1, value_parser = parse_vcpus)]
     vcpus: u8,
     /// Guest memory, MiB (within the VMM's limits).
     #[arg(
         long,
         value_name = "MIB",
         default_value_t = 256,
-        value_parser = parse_memory,
-        allow_negative_numbers = true
+        value_parser = parse_memory
     )]
     memory: u32,
     /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux, Image on
@@ -70,8 +70,7 @@ pub struct RunArgs {
     #[arg(
         long,
         value_name = "SECS",
-        value_parser = parse_positive_seconds,
-        allow_negative_numbers = true
+        value_parser = parse_positive_seconds
     )]
     timeout: Option<Duration>,
     /// User to run as in the guest (name, uid or uid:gid).
@@ -85,8 +84,7 @@ pub struct RunArgs {
         long,
         value_name = "SECS",
         default_value = "60",
-        value_parser = parse_positive_seconds,
-        allow_negative_numbers = true
+        value_parser = parse_positive_seconds
     )]
     boot_timeout: Duration,
     /// Print the cold-start phases (ms since the VMM process started) to stderr when the run
@@ -99,12 +97,7 @@ pub struct RunArgs {
     image: Option<String>,
     /// Keep the writable layer of --image on a scratch disk of this many MiB (sparse, deleted
     /// with the sandbox) instead of in guest RAM.
-    #[arg(
-        long = "disk",
-        value_name = "MIB",
-        requires = "image",
-        allow_negative_numbers = true
-    )]
+    #[arg(long = "disk", value_name = "MIB", requires = "image", value_parser = parse_scratch_mib)]
     scratch_mib: Option<u64>,
     /// Attach a raw disk image as an extra virtio-blk disk, read-only with `:ro` (repeatable;
     /// /dev/vda, /dev/vdb, ... after the image's disks).
@@ -163,9 +156,23 @@ fn parse_memory(s: &str) -> Result<u32, String> {
     }
 }
 
+/// `--disk`: MiB, at least the sandbox's [`MIN_SCRATCH_MIB`] (whether the file system has room
+/// is checked once the image is known).
+fn parse_scratch_mib(s: &str) -> Result<u64, String> {
+    let range = format!("a whole number of MiB, at least {MIN_SCRATCH_MIB}");
+    match s.parse::<u64>() {
+        Ok(n) if n >= MIN_SCRATCH_MIB => Ok(n),
+        Ok(_) => Err(format!("the scratch disk must be {range}")),
+        Err(_) if s.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty() => {
+            Err("it is too large: at most 18446744073709551615 MiB".to_owned())
+        }
+        Err(_) => Err(format!("`{s}` is not {range}")),
+    }
+}
+
 /// `--timeout`, `--boot-timeout`: seconds (fractions allowed), more than 0 and at least 1 ms,
 /// the unit of the agent's `timeout_ms`.
-fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
         .map_err(|_| format!("`{s}` is not a number of seconds"))?;
@@ -800,14 +807,29 @@ mod tests {
     }
 
     #[test]
+    fn scratch_disk_sizes_below_the_minimum_or_not_numbers_are_refused() {
+        assert_eq!(parse_scratch_mib("64"), Ok(64));
+        assert!(parse_scratch_mib("7").unwrap_err().contains("at least 8"));
+        assert!(parse_scratch_mib("-1")
+            .unwrap_err()
+            .contains("is not a whole number"));
+        assert!(parse_scratch_mib("99999999999999999999")
+            .unwrap_err()
+            .contains("too large"));
+    }
+
+    #[test]
     fn negative_numbers_get_the_range_message_not_a_flag_error() {
-        #[derive(clap::Parser, Debug)]
-        struct Cli {
-            #[command(flatten)]
-            run: RunArgs,
-        }
-        for flag in ["--timeout", "--vcpus", "--memory", "--boot-timeout"] {
-            let err = <Cli as clap::Parser>::try_parse_from(["run", flag, "-1", "true"])
+        for flag in [
+            "--timeout",
+            "--vcpus",
+            "--memory",
+            "--boot-timeout",
+            "--disk",
+        ] {
+            let argv = ["bulkhead", "run", "--image=i", flag, "-1", "true"];
+
+            let err = <crate::Cli as clap::Parser>::try_parse_from(argv)
                 .unwrap_err()
                 .to_string();
 

@@ -4,7 +4,6 @@
 //! Both verbs print what needs review (paths that run code on the host implicitly, entries that
 //! could not be exported) to stderr, after the output proper (stdout or the export file).
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -16,6 +15,7 @@ use bulkhead_sandbox::workspace::quote_path;
 use bulkhead_sandbox::{Mount, Workspace};
 
 use crate::daemon_cmds::{block_on, DaemonOpts};
+use crate::run::closed_stdio::{check_stdout, print_stdout};
 
 /// `bulkhead diff`: what changed in a sandbox's workspace.
 #[derive(Debug, clap::Args)]
@@ -84,15 +84,11 @@ pub fn diff(args: DiffArgs) -> ExitCode {
             .workspace_diff(&args.id)
             .await
             .map_err(|e| e.to_string())?;
-        let mut stdout = std::io::stdout().lock();
         let text = match args.json {
             true => serde_json::to_string_pretty(&diff).unwrap_or_default() + "\n",
             false => name_status(&diff),
         };
-        stdout
-            .write_all(text.as_bytes())
-            .and_then(|()| stdout.flush())
-            .map_err(|e| format!("writing the diff: {e}"))?;
+        print_stdout(&text)?;
         eprint!("{}", notes(&diff));
         let flagged: Vec<&WorkspaceChange> = diff.changes.iter().filter(|c| c.flagged).collect();
         eprint!(
@@ -206,6 +202,7 @@ pub fn export(args: ExportArgs) -> ExitCode {
         let to_stdout = target.as_os_str() == "-";
         let review_doc = if to_stdout {
             use std::os::fd::AsFd as _;
+            check_stdout().map_err(|e| format!("writing to stdout failed: {e}"))?;
             let fd = std::io::stdout()
                 .as_fd()
                 .try_clone_to_owned()

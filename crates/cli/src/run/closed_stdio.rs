@@ -78,6 +78,19 @@ pub(crate) fn check_stdout() -> io::Result<()> {
     }
 }
 
+/// Writes `text` to our stdout and flushes it, for verbs that print a listing, an ID or a log.
+///
+/// # Errors
+/// "writing to stdout failed: ..." when stdout was closed when bulkhead started or the write
+/// failed (e.g. ENOSPC on `>/dev/full`). A reader that went away kills these verbs with SIGPIPE
+/// before any error is seen (see `dies_of_sigpipe` in `main.rs`).
+pub(crate) fn print_stdout(text: &str) -> Result<(), String> {
+    let mut out = Output::stdout();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("writing to stdout failed: {e}"))
+}
+
 /// The error of a write to `name` ("stdout"/"stderr") that was closed at exec.
 fn closed_error(name: &str) -> io::Error {
     io::Error::other(format!("{name} was closed when bulkhead started (EBADF)"))

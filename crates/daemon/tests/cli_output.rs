@@ -1,5 +1,5 @@
-//! `bulkhead exec` (the CLI binary) against a real daemon with the fake VMM: what happens to the
-//! command's output when our stdout is closed or its reader goes away. The CLI binary is the one
+//! The CLI binary's daemon verbs against a real daemon with the fake VMM: what happens to their
+//! output when our stdout is closed, full or its reader goes away. The CLI binary is the one
 //! `cargo build --workspace --bins` put next to this test's own binaries (scripts/test.sh builds
 //! it before the tests).
 
@@ -105,4 +105,48 @@ fn wait_at_most(child: &mut std::process::Child, limit: Duration) -> std::proces
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `bulkhead create --socket S` with stdout `closed` (`>&-`) or on `/dev/full`.
+fn create_with_bad_stdout(daemon: &TestDaemon, closed: bool) -> std::process::Output {
+    let mut cmd = Command::new(cli());
+    cmd.arg("create")
+        .arg("--socket")
+        .arg(&daemon.socket)
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped());
+    if closed {
+        // SAFETY: close(2) is async-signal-safe; the closure touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::close(libc::STDOUT_FILENO);
+                Ok(())
+            });
+        }
+    } else {
+        cmd.stdout(std::fs::File::create("/dev/full").unwrap());
+    }
+    cmd.output().unwrap()
+}
+
+#[test]
+fn create_whose_id_cannot_be_printed_fails_and_leaves_no_sandbox() {
+    // Arrange
+    let daemon = TestDaemon::start();
+
+    // Act
+    let closed = create_with_bad_stdout(&daemon, true);
+    let full = create_with_bad_stdout(&daemon, false);
+
+    // Assert: both fail, and nobody is left with a sandbox whose ID they never saw.
+    let listed = rt()
+        .block_on(daemon.client().list(&Default::default()))
+        .unwrap();
+    let closed_err = String::from_utf8_lossy(&closed.stderr);
+    let full_err = String::from_utf8_lossy(&full.stderr);
+    assert_eq!(closed.status.code(), Some(125), "{closed_err}");
+    assert!(closed_err.contains("stdout was closed"), "{closed_err}");
+    assert_eq!(full.status.code(), Some(125), "{full_err}");
+    assert!(full_err.contains("destroyed"), "{full_err}");
+    assert!(listed.is_empty(), "left behind: {listed:?}");
 }
