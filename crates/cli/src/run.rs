@@ -201,6 +201,9 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
         args.export_tar.as_deref(),
         config.workspace.as_ref(),
     )?;
+    if let Some(console) = &args.console {
+        run_export::check_output_file("the console", console)?;
+    }
     config.check_files().map_err(|e| e.to_string())?;
     require_bootable_kvm_for(&user_words(), &args)?;
     // This run's own directory for the sandbox's runtime files, so a signal during the boot
@@ -321,12 +324,13 @@ fn user_words() -> Vec<String> {
         .collect()
 }
 
-/// Host directories the test host must share too (the current directory always is; relative
-/// paths are resolved inside it): the absolute directories of `--workspace` and `--mount`; the
+/// Host directories the test host must share too (the current directory always is, and paths
+/// relative to it stay valid inside; relative paths that lead out of it are shared by their
+/// absolute directory): the directories of `--workspace` and `--mount`; the
 /// directories of the files it reads (`--kernel`, `--initrd`, `--disk-file`, `--image` given
 /// as a path) and of those it writes (`--export-patch`, `--export-tar`, `--console`; else they
-/// would be written inside the test host and lost). Each directory once, in that order; `/` is
-/// left out (the test host cannot share its own root).
+/// would be written inside the test host and lost). Each directory once, in that order; those
+/// that are not [`shareable`] are left out.
 fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
     let dirs = args.workspace.iter().map(|w| w.host.as_path());
     let dirs = dirs.chain(args.mounts.iter().map(|m| m.host.as_path()));
@@ -341,13 +345,42 @@ fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
     let written = [&args.export_patch, &args.export_tar, &args.console];
     let written = written.into_iter().flatten().map(PathBuf::as_path);
     let file_dirs = read.chain(written).filter_map(Path::parent);
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
     let mut shares: Vec<PathBuf> = Vec::new();
     for dir in dirs.chain(file_dirs) {
-        if dir.is_absolute() && dir != Path::new("/") && !shares.iter().any(|s| s == dir) {
-            shares.push(dir.to_owned());
+        let dir = absolute_outside(dir, &cwd);
+        if let Some(dir) = dir.filter(|d| shareable(d) && !shares.contains(d)) {
+            shares.push(dir);
         }
     }
     shares
+}
+
+/// `dir` as an absolute path (a relative one resolved against `cwd`, `..` removed lexically),
+/// or `None` when it lies inside `cwd`, which the test host always shares.
+fn absolute_outside(dir: &Path, cwd: &Path) -> Option<PathBuf> {
+    if dir.is_absolute() {
+        return Some(dir.to_owned());
+    }
+    let mut abs = cwd.to_owned();
+    for part in dir.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                abs.pop();
+            }
+            std::path::Component::Normal(name) => abs.push(name),
+            _ => {}
+        }
+    }
+    (!abs.starts_with(cwd)).then_some(abs)
+}
+
+/// Whether the test host can share the host directory `dir` at the same path: an absolute path
+/// that is not `/` and not in the kernel's own file systems (`/dev`, `/proc`, `/sys`), which the
+/// test host has itself and which must not be replaced by the host's.
+fn shareable(dir: &Path) -> bool {
+    let system = ["/dev", "/proc", "/sys"].iter().any(|s| dir.starts_with(s));
+    dir.is_absolute() && dir != Path::new("/") && !system
 }
 
 /// Quotes `word` for a POSIX shell (`shlex`), leaving words of only safe characters bare. A
@@ -377,21 +410,47 @@ fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
     Ok(config)
 }
 
+/// The environment variables that override the default kernel, initramfs and VMM
+/// ([`SandboxConfig::default`]); the command inside the test host must see them too.
+const OVERRIDE_ENV: [&str; 3] = ["BULKHEAD_KERNEL", "BULKHEAD_INITRD", "BULKHEAD_VMM"];
+
 /// The `bulkhead-testhost` command line that runs this `bulkhead` with the arguments `verb`
 /// (already shell-quoted) in the nested test host: the binaries' directory, the data directory
 /// and `shares` shared at the same paths, the data directory named explicitly (the test host's
-/// HOME differs).
+/// HOME differs), and the [`OVERRIDE_ENV`] variables set here passed on with their directories.
 fn testhost_hint(verb: &str, shares: &[PathBuf]) -> String {
+    let overrides: Vec<(&str, PathBuf)> = OVERRIDE_ENV
+        .iter()
+        .filter_map(|key| std::env::var_os(key).map(|v| (*key, PathBuf::from(v))))
+        .filter(|(_, path)| !path.as_os_str().is_empty())
+        .collect();
+    testhost_hint_with(verb, shares, &overrides)
+}
+
+/// [`testhost_hint`] with the environment overrides `env` (name, path) given.
+fn testhost_hint_with(verb: &str, shares: &[PathBuf], env: &[(&str, PathBuf)]) -> String {
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"));
     let bin_dir = exe.parent().unwrap_or(Path::new("/")).to_owned();
     let data = bulkhead_sandbox::paths::data_dir();
     let path = |p: &Path| shell_quote(&p.to_string_lossy());
-    let extra: String = shares
+    let env_dirs = env.iter().filter_map(|(_, p)| p.parent());
+    let mut dirs: Vec<&Path> = Vec::new();
+    for dir in env_dirs.chain(shares.iter().map(PathBuf::as_path)) {
+        let covered = dir.starts_with(&bin_dir) || dir.starts_with(&data);
+        if shareable(dir) && !covered && !dirs.contains(&dir) {
+            dirs.push(dir);
+        }
+    }
+    let extra: String = dirs
         .iter()
-        .map(|s| format!("--share {} ", path(s)))
+        .map(|d| format!("--share {} ", path(d)))
+        .collect();
+    let env_args: String = env
+        .iter()
+        .map(|(key, value)| format!("-e {} ", shell_quote(&format!("{key}={}", value.display()))))
         .collect();
     format!(
-        "bulkhead-testhost run --share {bin} --share {data} {extra}-e BULKHEAD_DATA_DIR={data} -- {exe} {verb}",
+        "bulkhead-testhost run --share {bin} --share {data} {extra}-e BULKHEAD_DATA_DIR={data} {env_args}-- {exe} {verb}",
         bin = path(&bin_dir),
         data = path(&data),
         exe = path(&exe)
@@ -751,6 +810,27 @@ mod tests {
         assert!(hint.ends_with(" run --memory 512 -- 'a b'"), "{hint}");
     }
 
+    #[test]
+    fn the_testhost_hint_passes_kernel_initrd_and_vmm_overrides_on_with_their_dirs() {
+        let env = [
+            ("BULKHEAD_KERNEL", PathBuf::from("/k/vmlinux")),
+            ("BULKHEAD_VMM", PathBuf::from("/opt/vmm dir/bulkhead-vmm")),
+        ];
+
+        let hint = testhost_hint_with("run -- true", &[PathBuf::from("/k")], &env);
+
+        assert!(
+            hint.contains(" --share /k --share '/opt/vmm dir' -e "),
+            "{hint}"
+        );
+        assert!(hint.contains(" -e 'BULKHEAD_KERNEL=/k/vmlinux' "), "{hint}");
+        assert!(
+            hint.contains(" -e 'BULKHEAD_VMM=/opt/vmm dir/bulkhead-vmm' -- "),
+            "{hint}"
+        );
+        assert_eq!(hint.matches("--share /k ").count(), 1, "{hint}");
+    }
+
     /// `bulkhead run` parsed from `words` (after `run`).
     fn run_args(words: &[&str]) -> RunArgs {
         #[derive(clap::Parser)]
@@ -784,6 +864,26 @@ mod tests {
         );
         assert_eq!(extra_shares(&patch), [Path::new("/out")]);
         assert!(extra_shares(&at_root).is_empty());
+    }
+
+    #[test]
+    fn relative_dirs_that_leave_the_current_directory_are_shared_by_absolute_path() {
+        let cwd = Path::new("/home/u/proj/sub");
+
+        let up = absolute_outside(Path::new("../../data"), cwd);
+        let inside = absolute_outside(Path::new("out/../logs"), cwd);
+        let here = absolute_outside(Path::new(""), cwd);
+
+        assert_eq!(up.as_deref(), Some(Path::new("/home/u/data")));
+        assert_eq!(inside, None);
+        assert_eq!(here, None);
+    }
+
+    #[test]
+    fn the_testhost_never_shares_the_hosts_dev_proc_or_sys() {
+        let args = run_args(&["--console=/dev/stdout", "--mount=/proc/1:/p", "true"]);
+
+        assert!(extra_shares(&args).is_empty());
     }
 
     #[test]

@@ -34,7 +34,7 @@ pub fn target(
     };
     match workspace {
         Some(ws) if ws.mode == WorkspaceMode::Clone => {
-            check_parent(path)?;
+            check_output_file("the export", path)?;
             Ok(Some(ExportTarget {
                 format,
                 path: path.to_owned(),
@@ -53,22 +53,29 @@ pub fn target(
     }
 }
 
-/// Fails unless `path`'s directory exists, so a typo is reported before the sandbox boots
-/// rather than after the command ran (when its changes would be lost with the VM).
-fn check_parent(path: &Path) -> Result<(), String> {
+/// Fails unless `path` can be created or replaced as a file: its directory exists and it is
+/// not a directory itself. `what` names the output in the message ("the export"). Used for
+/// files written after the command ran, so a typo is reported before the sandbox boots rather
+/// than when the output would be lost.
+pub(crate) fn check_output_file(what: &str, path: &Path) -> Result<(), String> {
     let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    if parent.is_dir() {
-        Ok(())
-    } else {
-        Err(format!(
-            "cannot write the export to {}: {} is not a directory",
+    if !parent.is_dir() {
+        return Err(format!(
+            "cannot write {what} to {}: {} is not a directory",
             path.display(),
             parent.display()
-        ))
+        ));
     }
+    if path.is_dir() {
+        return Err(format!(
+            "cannot write {what} to {}: it is a directory",
+            path.display()
+        ));
+    }
+    Ok(())
 }
 
 /// `patch` or `tar`, as in the flag names.
