@@ -41,12 +41,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1, value_parser = parse_vcpus)]
     vcpus: u8,
     /// Guest memory, MiB (within the VMM's limits).
-    #[arg(
-        long,
-        value_name = "MIB",
-        default_value_t = 256,
-        value_parser = parse_memory
-    )]
+    #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = parse_memory)]
     memory: u32,
     /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux, Image on
     /// aarch64].
@@ -67,11 +62,7 @@ pub struct RunArgs {
     /// SECS + max(5, SECS/10) seconds of its start (it stalled), bulkhead says so on stderr,
     /// destroys the VM and exits 124 as well. Without --timeout bulkhead waits as long as the
     /// command runs.
-    #[arg(
-        long,
-        value_name = "SECS",
-        value_parser = parse_positive_seconds
-    )]
+    #[arg(long, value_name = "SECS", value_parser = parse_positive_seconds)]
     timeout: Option<Duration>,
     /// User to run as in the guest (name, uid or uid:gid).
     #[arg(long, short = 'u')]
@@ -80,12 +71,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     console: Option<PathBuf>,
     /// Seconds to wait for the guest agent to come up.
-    #[arg(
-        long,
-        value_name = "SECS",
-        default_value = "60",
-        value_parser = parse_positive_seconds
-    )]
+    #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_positive_seconds)]
     boot_timeout: Duration,
     /// Print the cold-start phases (ms since the VMM process started) to stderr when the run
     /// ends, one line each.
