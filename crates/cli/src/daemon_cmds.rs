@@ -224,7 +224,7 @@ pub fn create(args: CreateArgs) -> ExitCode {
     block_on(async move {
         let spec = create_spec(&args)?;
         // Nobody could learn the new sandbox's ID: refuse before creating it.
-        check_stdout().map_err(|e| format!("writing to stdout failed: {e}"))?;
+        check_stdout()?;
         let client = args.daemon.client();
         let info = client.create(&spec).await.map_err(|e| e.to_string())?;
         let text = match args.json {

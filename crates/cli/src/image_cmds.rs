@@ -7,9 +7,9 @@ use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use bulkhead_image::{BuildSpec, ImageStore, Manifest, Phase, Progress};
+use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::run::closed_stdio::print_stdout;
-use indicatif::{ProgressBar, ProgressStyle};
 
 /// Ticks of the progress bar for a whole build (fractions are reported in 0.0–1.0).
 const BAR_TICKS: u64 = 1000;

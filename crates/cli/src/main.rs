@@ -95,10 +95,12 @@ const EXIT_STATUS_HELP: &str = "Exit status:
 /// at start or the write failed (e.g. ENOSPC), instead of a silent 0.
 fn print_help(e: &clap::Error) -> ExitCode {
     restore_default_sigpipe();
-    match run::closed_stdio::check_stdout().and_then(|()| e.print()) {
+    let printed = run::closed_stdio::check_stdout()
+        .and_then(|()| e.print().map_err(run::closed_stdio::stdout_failed));
+    match printed {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("bulkhead: error: writing to stdout failed: {err}");
+            eprintln!("bulkhead: error: {err}");
             ExitCode::from(EXIT_BULKHEAD_ERROR)
         }
     }

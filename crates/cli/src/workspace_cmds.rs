@@ -202,7 +202,7 @@ pub fn export(args: ExportArgs) -> ExitCode {
         let to_stdout = target.as_os_str() == "-";
         let review_doc = if to_stdout {
             use std::os::fd::AsFd as _;
-            check_stdout().map_err(|e| format!("writing to stdout failed: {e}"))?;
+            check_stdout()?;
             let fd = std::io::stdout()
                 .as_fd()
                 .try_clone_to_owned()

@@ -67,14 +67,15 @@ impl<W> Output<W> {
     }
 }
 
-/// Ok when fd 1 was open when bulkhead started, else the error every write to it gets.
+/// Ok when fd 1 was open when bulkhead started, for verbs that must not start work whose
+/// result they could not print.
 ///
 /// # Errors
-/// "stdout was closed when bulkhead started (EBADF)".
-pub(crate) fn check_stdout() -> io::Result<()> {
+/// "writing to stdout failed: stdout was closed when bulkhead started (EBADF)".
+pub(crate) fn check_stdout() -> Result<(), String> {
     match Output::stdout() {
         Output::Open(_) => Ok(()),
-        Output::Closed(name) => Err(closed_error(name)),
+        Output::Closed(name) => Err(stdout_failed(closed_error(name))),
     }
 }
 
@@ -88,7 +89,12 @@ pub(crate) fn print_stdout(text: &str) -> Result<(), String> {
     let mut out = Output::stdout();
     out.write_all(text.as_bytes())
         .and_then(|()| out.flush())
-        .map_err(|e| format!("writing to stdout failed: {e}"))
+        .map_err(stdout_failed)
+}
+
+/// The message of a failed write to our stdout, the same in every verb.
+pub(crate) fn stdout_failed(e: io::Error) -> String {
+    format!("writing to stdout failed: {e}")
 }
 
 /// The error of a write to `name` ("stdout"/"stderr") that was closed at exec.
