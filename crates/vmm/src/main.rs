@@ -230,6 +230,7 @@ fn stop_on_signals(stop: StopHandle, seccomp: Arc<ThreadFilters>) -> Result<(), 
     let (confined_tx, confined) = std::sync::mpsc::sync_channel(1);
     std::thread::Builder::new()
         .name("signals".into())
+        .stack_size(bulkhead_vmm::vstate::THREAD_STACK_BYTES)
         .spawn(move || {
             let installed = seccomp.install(ThreadKind::Signal);
             let ok = installed.is_ok();

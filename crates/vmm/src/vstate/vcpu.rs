@@ -186,6 +186,7 @@ impl Vcpu {
         let id = self.id;
         thread::Builder::new()
             .name(format!("vcpu{id}"))
+            .stack_size(super::THREAD_STACK_BYTES)
             .spawn(move || {
                 if let Err(e) = seccomp.install(ThreadKind::Vcpu) {
                     self.exiting(ExitReason::Fatal(e.to_string()));
