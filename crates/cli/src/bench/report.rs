@@ -108,6 +108,11 @@ pub struct RunRecord {
     /// VMM memory, sampled once the command had exited.
     #[serde(default)]
     pub memory: Option<MemorySample>,
+    /// A failed run's last lines of VMM output (`vmm.log`: the VMM's own messages, such as
+    /// why the guest stopped, plus the guest console if one was kept), oldest first; empty
+    /// for a run that succeeded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vmm_log_tail: Vec<String>,
 }
 
 /// Each phase of one run, ms since its VMM process started; `None` (JSON `null`) when not
@@ -351,6 +356,7 @@ pub(crate) mod tests {
                 guest_rss_kib: 3000,
                 overhead_kib: 2000,
             }),
+            vmm_log_tail: Vec::new(),
         }
     }
 

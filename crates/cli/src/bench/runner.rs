@@ -164,16 +164,21 @@ impl ColdStart<'_> {
             create_to_first_output_ms: None,
             phases_ms: PhasesMs::default(),
             memory: None,
+            vmm_log_tail: Vec::new(),
         };
         let sandbox = match Sandbox::start_with(self.config, self.storage) {
             Ok(sandbox) => sandbox,
             Err(e) => {
-                record.error = Some(first_line(&e.to_string()));
+                let message = e.to_string();
+                record.error = Some(first_line(&message));
+                record.vmm_log_tail = last_lines(message.lines().skip(1), LOG_TAIL_LINES);
                 return record;
             }
         };
         let exited = run_command(&sandbox, self.request, self.config.ready_timeout);
         let memory = sample_memory(&sandbox);
+        // Before destroying: the log goes with the runtime directory.
+        let log_tail = sandbox.log_tail(LOG_TAIL_LINES);
         let destroyed = sandbox.destroy_timed();
         if let Ok(timings) = &destroyed {
             fill_timings(&mut record, timings);
@@ -188,8 +193,23 @@ impl ColdStart<'_> {
             _ => record.phases_ms.check_complete_and_monotonic().err(),
         };
         record.ok = record.error.is_none();
+        if !record.ok {
+            record.vmm_log_tail = last_lines(log_tail.lines(), LOG_TAIL_LINES);
+        }
         record
     }
+}
+
+/// How many lines of VMM output a failed run keeps ([`RunRecord::vmm_log_tail`]).
+const LOG_TAIL_LINES: usize = 20;
+
+/// The last `count` non-blank lines of `lines`, oldest first.
+fn last_lines<'a>(lines: impl Iterator<Item = &'a str>, count: usize) -> Vec<String> {
+    let kept: Vec<&str> = lines.filter(|l| !l.trim().is_empty()).collect();
+    kept[kept.len().saturating_sub(count)..]
+        .iter()
+        .map(|l| (*l).to_owned())
+        .collect()
 }
 
 /// Runs `request`, marking the sandbox's first output; returns the exit code (128+N for
@@ -335,5 +355,20 @@ mod tests {
     #[test]
     fn the_first_line_of_an_error_is_kept() {
         assert_eq!(first_line("boom\nlog line"), "boom");
+    }
+
+    #[test]
+    fn a_failed_runs_log_keeps_its_last_non_blank_lines_in_order() {
+        // Arrange
+        let log = "one\n\ntwo\n  \nthree\nfour\n";
+
+        // Act
+        let tail = last_lines(log.lines(), 3);
+        let all = last_lines(log.lines(), 10);
+
+        // Assert
+        assert_eq!(tail, ["two", "three", "four"]);
+        assert_eq!(all, ["one", "two", "three", "four"]);
+        assert!(last_lines("".lines(), 3).is_empty());
     }
 }

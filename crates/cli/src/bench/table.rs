@@ -44,10 +44,17 @@ pub fn render(report: &BenchReport) -> String {
                 run.index,
                 run.error.as_deref().unwrap_or("unknown")
             );
+            let shown = run.vmm_log_tail.len().saturating_sub(FAILURE_LOG_LINES);
+            for line in &run.vmm_log_tail[shown..] {
+                let _ = writeln!(out, "    | {line}");
+            }
         }
     }
     out
 }
+
+/// Lines of a failed run's VMM log shown under it (the JSON keeps more).
+const FAILURE_LOG_LINES: usize = 3;
 
 /// A titled table with one row per series: n, p50, p90, p99, min, max.
 pub fn table(title: &str, series: &[Series]) -> String {
@@ -89,6 +96,9 @@ mod tests {
         let mut failed = run(2, 1.0);
         failed.ok = false;
         failed.error = Some("the guest agent was not ready".into());
+        failed.vmm_log_tail = ["a", "b", "c", "vcpu0: guest shut down"]
+            .map(String::from)
+            .into();
         let r = report(vec![run(0, 10.0), run(1, 20.0), failed]);
 
         // Act
@@ -101,7 +111,7 @@ mod tests {
         assert!(text.contains("end to end: create → first_output"), "{text}");
         assert!(text.contains("2 ok, 1 failed"), "{text}");
         assert!(
-            text.contains("run 2: the guest agent was not ready"),
+            text.contains("run 2: the guest agent was not ready\n    | b\n    | c\n    | vcpu0: guest shut down\n"),
             "{text}"
         );
         let row = text.lines().find(|l| l.starts_with("agent_ready")).unwrap();
