@@ -55,7 +55,8 @@ pub struct BenchArgs {
     /// Guest memory per sandbox, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 256)]
     memory: u32,
-    /// Seconds each sandbox may take to boot.
+    /// Seconds each sandbox may take to boot, and to send each next output or exit of the
+    /// command.
     #[arg(long, value_name = "SECS", default_value_t = 120.0)]
     boot_timeout: f64,
     /// Write every run's phases as JSON (schema `bulkhead-bench/1`, see the README).

@@ -213,9 +213,9 @@ fn last_lines<'a>(lines: impl Iterator<Item = &'a str>, count: usize) -> Vec<Str
 }
 
 /// Runs `request`, marking the sandbox's first output; returns the exit code (128+N for
-/// signal N). Connecting and each read may take up to `patience` (the boot timeout): in a
-/// burst, a guest that just announced itself can need far longer than the client's default
-/// 10 s to answer while its neighbours boot.
+/// signal N). Connecting and each wait for an event may take up to `patience` (the boot
+/// timeout): in a burst, a guest that just announced itself can need far longer than the
+/// client's default 10 s to answer while its neighbours boot.
 fn run_command(
     sandbox: &Sandbox,
     request: &ExecRequest,
@@ -227,6 +227,11 @@ fn run_command(
         .exec(request)
         .map_err(|e| format!("exec: {e}"))?
         .split();
+    // A started session waits for output without a bound; a guest that stalls mid-command
+    // would hold the whole bench.
+    reader
+        .set_event_timeout(Some(patience))
+        .map_err(|e| format!("exec: {e}"))?;
     loop {
         let event = reader.next_event().map_err(|e| format!("exec: {e}"))?;
         sandbox.mark_first_output();

@@ -5,6 +5,7 @@ use std::io::{BufReader, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use super::{classify, ClientError};
 use crate::frame::{encode_raw, read_frame, write_frame, Frame, FrameType};
@@ -170,6 +171,20 @@ pub struct ExecReader {
 }
 
 impl ExecReader {
+    /// Bounds each wait for the next event. There is none by default, as a command may stay
+    /// silent for as long as it runs; a caller that knows how long silence may last (a
+    /// benchmark running `true`, a health check) sets one so that a guest that stopped
+    /// answering ends the session with [`ClientError::Timeout`] instead of a wait without end.
+    /// `None` removes the bound; a zero duration is raised to 1 ms.
+    ///
+    /// # Errors
+    /// [`ClientError::Io`] when the socket option cannot be set.
+    pub fn set_event_timeout(&self, timeout: Option<Duration>) -> Result<(), ClientError> {
+        let timeout = timeout.map(|t| t.max(Duration::from_millis(1)));
+        self.stream.get_ref().set_read_timeout(timeout)?;
+        Ok(())
+    }
+
     /// The next output event; `Ok(None)` after the `Exit` event. The connection ending before
     /// `Exit` is [`ClientError::Closed`]; an `Error` frame is [`ClientError::Agent`].
     pub fn next_event(&mut self) -> Result<Option<ExecEvent>, ClientError> {
@@ -240,7 +255,6 @@ fn event_of(frame: Frame) -> Result<ExecEvent, ClientError> {
 mod tests {
     use std::sync::mpsc;
     use std::thread;
-    use std::time::Duration;
 
     use super::*;
     use crate::messages::Started;
@@ -288,5 +302,22 @@ mod tests {
             matches!(write, Ok(Err(_))),
             "the blocked write must fail: {write:?}"
         );
+    }
+
+    #[test]
+    fn a_silent_agent_ends_the_session_with_a_timeout_once_an_event_timeout_is_set() {
+        // Arrange: the command started, then the agent says nothing more (a stalled guest).
+        let (session, _agent) = session_with_a_deaf_agent();
+        let (_writer, mut reader) = session.split();
+        reader
+            .set_event_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+
+        // Act
+        let event = reader.next_event();
+
+        // Assert
+        assert!(matches!(event, Err(ClientError::Timeout)), "{event:?}");
+        assert!(matches!(reader.next_event(), Ok(None)));
     }
 }
