@@ -20,6 +20,7 @@ use std::ffi::CString;
 use std::fs::{self, OpenOptions};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -102,6 +103,14 @@ pub enum StorageError {
         /// Why it cannot be opened for writing.
         source: io::Error,
     },
+    /// The same file (the same inode, whatever the path) is attached more than once, as root
+    /// image or data disk, and not read-only every time: the guest would see one disk change
+    /// under the other, and a root image would change for every later sandbox.
+    #[error("disk file {} is attached more than once and not read-only every time; attach it once, or read-only (PATH:ro) each time", path.display())]
+    DiskAttachedTwice {
+        /// The path of the second attachment.
+        path: PathBuf,
+    },
     /// A disk cannot be opened for reading.
     #[error("disk file {}: {source}", path.display())]
     DiskUnreadable {
@@ -147,6 +156,7 @@ pub fn check(storage: &Storage, runtime_parent: &Path) -> Result<(), StorageErro
     for disk in &storage.data_disks {
         check_disk(disk)?;
     }
+    check_writable_disks_attached_once(storage)?;
     if let Some(mib) = storage.scratch_mib {
         check_scratch_size(mib, runtime_parent)?;
     }
@@ -160,6 +170,34 @@ fn check_image(path: &Path) -> Result<(), StorageError> {
         });
     }
     ext4::inspect(path)?;
+    Ok(())
+}
+
+/// Refuses a file attached twice unless every attachment is read-only (the root image always
+/// is). Files are told apart by device and inode; paths that cannot be read are left to the
+/// other checks.
+fn check_writable_disks_attached_once(storage: &Storage) -> Result<(), StorageError> {
+    let root = storage.root_image.iter().map(|path| (path.as_path(), true));
+    let data = storage
+        .data_disks
+        .iter()
+        .map(|disk| (disk.path.as_path(), disk.read_only));
+    let mut seen: Vec<((u64, u64), bool)> = Vec::new();
+    for (path, read_only) in root.chain(data) {
+        let Ok(meta) = fs::metadata(path) else {
+            continue;
+        };
+        let id = (meta.dev(), meta.ino());
+        let clash = seen
+            .iter()
+            .any(|&(other, other_ro)| other == id && !(read_only && other_ro));
+        if clash {
+            return Err(StorageError::DiskAttachedTwice {
+                path: path.to_owned(),
+            });
+        }
+        seen.push((id, read_only));
+    }
     Ok(())
 }
 
@@ -413,6 +451,41 @@ mod tests {
         // Assert
         assert!(matches!(missing_err, StorageError::DiskNotFound { .. }));
         assert!(matches!(dir_err, StorageError::NotADisk { .. }));
+    }
+
+    #[test]
+    fn a_file_attached_twice_is_refused_unless_read_only_each_time() {
+        // Arrange: one file under two names (a hard link), and another file.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("data.img");
+        fs::write(&file, vec![0u8; 4096]).unwrap();
+        let link = dir.path().join("alias.img");
+        fs::hard_link(&file, &link).unwrap();
+        let other = dir.path().join("other.img");
+        fs::write(&other, vec![0u8; 4096]).unwrap();
+        let with = |root: Option<&Path>, disks: Vec<DiskConfig>| Storage {
+            root_image: root.map(Path::to_owned),
+            scratch_mib: None,
+            data_disks: disks,
+        };
+
+        // Act
+        let twice_rw = with(None, vec![disk(&file, false), disk(&link, false)]);
+        let rw_and_ro = with(None, vec![disk(&file, true), disk(&file, false)]);
+        let root_and_rw = with(Some(&file), vec![disk(&link, false)]);
+        let all_ro = with(Some(&file), vec![disk(&file, true), disk(&link, true)]);
+        let different = with(None, vec![disk(&file, false), disk(&other, false)]);
+
+        // Assert
+        for refused in [twice_rw, rw_and_ro, root_and_rw] {
+            let err = check_writable_disks_attached_once(&refused).unwrap_err();
+            assert!(
+                matches!(err, StorageError::DiskAttachedTwice { .. }),
+                "{err}"
+            );
+        }
+        assert!(check_writable_disks_attached_once(&all_ro).is_ok());
+        assert!(check_writable_disks_attached_once(&different).is_ok());
     }
 
     #[test]
