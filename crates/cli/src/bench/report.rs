@@ -108,9 +108,9 @@ pub struct RunRecord {
     /// VMM memory, sampled once the command had exited.
     #[serde(default)]
     pub memory: Option<MemorySample>,
-    /// A failed run's last lines of VMM output (`vmm.log`: the VMM's own messages, such as
-    /// why the guest stopped, plus the guest console if one was kept), oldest first; empty
-    /// for a run that succeeded.
+    /// The last lines of VMM output (`vmm.log`: the VMM's own messages, such as why the guest
+    /// stopped, plus the guest console if one was kept), oldest first, of a run whose sandbox
+    /// did not start or whose command did not exit 0; empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub vmm_log_tail: Vec<String>,
 }

@@ -177,8 +177,12 @@ impl ColdStart<'_> {
         };
         let exited = run_command(&sandbox, self.request, self.config.ready_timeout);
         let memory = sample_memory(&sandbox);
-        // Before destroying: the log goes with the runtime directory.
-        let log_tail = sandbox.log_tail(LOG_TAIL_LINES);
+        // Before destroying (the log goes with the runtime directory), and only when the command
+        // did not succeed: a good run's teardown, measured as `vm_destroyed`, reads nothing.
+        let log_tail = match exited {
+            Ok(0) => String::new(),
+            _ => sandbox.log_tail(LOG_TAIL_LINES),
+        };
         let destroyed = sandbox.destroy_timed();
         if let Ok(timings) = &destroyed {
             fill_timings(&mut record, timings);
