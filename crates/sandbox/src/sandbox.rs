@@ -53,6 +53,18 @@ pub enum Error {
         /// The path looked at.
         path: PathBuf,
     },
+    /// A path given for a file the sandbox needs cannot be looked at: a trailing `/` after a
+    /// file's name (`ENOTDIR`), a directory on the way without search permission, a loop of
+    /// symbolic links.
+    #[error("cannot use {what} {path}: {source}")]
+    Unreadable {
+        /// "kernel" or "initramfs".
+        what: &'static str,
+        /// The path looked at.
+        path: PathBuf,
+        /// The OS error of `stat(2)`.
+        source: io::Error,
+    },
     /// The runtime directory or a file in it could not be created.
     #[error("cannot prepare the sandbox runtime directory {path}: {source}")]
     RuntimeDir {
@@ -534,23 +546,12 @@ impl SandboxConfig {
     ///
     /// # Errors
     /// [`Error::NotAFile`] for a kernel or initramfs path that is a directory or device,
-    /// [`Error::Missing`] (with a hint) for an absent kernel, initramfs or VMM binary.
+    /// [`Error::Missing`] (with a hint) for an absent kernel, initramfs or VMM binary,
+    /// [`Error::Unreadable`] for a kernel or initramfs path that `stat(2)` refuses otherwise
+    /// (e.g. `vmlinux/`).
     pub fn check_files(&self) -> Result<(), Error> {
-        let setup_hint = "; run scripts/setup.sh or pass the path explicitly";
         for (what, path) in [("kernel", &self.kernel), ("initramfs", &self.initrd)] {
-            if path.exists() && !path.is_file() {
-                return Err(Error::NotAFile {
-                    what,
-                    path: path.clone(),
-                });
-            }
-            if !path.is_file() {
-                return Err(Error::Missing {
-                    what,
-                    path: path.clone(),
-                    hint: setup_hint,
-                });
-            }
+            check_boot_file(what, path)?;
         }
         let vmm = &self.vmm_binary;
         if vmm.components().count() > 1 && !vmm.is_file() {
@@ -561,6 +562,28 @@ impl SandboxConfig {
             });
         }
         Ok(())
+    }
+}
+
+/// `path` (the `what` of the guest's boot files) is a regular file, following symbolic links.
+fn check_boot_file(what: &'static str, path: &Path) -> Result<(), Error> {
+    let path_buf = || path.to_owned();
+    match fs::metadata(path) {
+        Ok(meta) if meta.is_file() => Ok(()),
+        Ok(_) => Err(Error::NotAFile {
+            what,
+            path: path_buf(),
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(Error::Missing {
+            what,
+            path: path_buf(),
+            hint: "; run scripts/setup.sh or pass the path explicitly",
+        }),
+        Err(source) => Err(Error::Unreadable {
+            what,
+            path: path_buf(),
+            source,
+        }),
     }
 }
 

@@ -55,6 +55,27 @@ fn a_directory_given_as_the_kernel_is_not_reported_as_missing() {
 }
 
 #[test]
+fn a_kernel_file_named_with_a_trailing_slash_is_not_reported_as_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_in(dir.path());
+    let kernel = dir.path().join("vmlinux");
+    std::fs::write(&kernel, b"x").unwrap();
+    config.kernel = PathBuf::from(format!("{}/", kernel.display()));
+
+    let err = config.check_files().unwrap_err();
+
+    assert!(
+        matches!(err, Error::Unreadable { what: "kernel", .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("vmlinux/") && text.contains("Not a directory"),
+        "{text}"
+    );
+}
+
+#[test]
 fn a_vmm_that_exits_early_is_reported_with_its_log_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let vmm = dir.path().join("fake-vmm");
