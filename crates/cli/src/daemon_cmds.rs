@@ -120,7 +120,7 @@ pub struct ExecArgs {
     /// inputs go in with `bulkhead cp`).
     #[arg(long, short = 'i')]
     stdin: bool,
-    /// The sandbox.
+    /// The sandbox: its ID, or a prefix of it that no other sandbox's ID starts with.
     id: String,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
@@ -151,7 +151,7 @@ pub struct CpArgs {
 pub struct RmArgs {
     #[command(flatten)]
     daemon: DaemonOpts,
-    /// Sandbox IDs.
+    /// Sandbox IDs, or prefixes of them that no other sandbox's ID starts with.
     #[arg(required = true, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     ids: Vec<String>,
 }
@@ -164,7 +164,7 @@ pub struct LogsArgs {
     /// How many lines (at most 10000).
     #[arg(long, short = 'n', default_value_t = 200)]
     lines: usize,
-    /// The sandbox.
+    /// The sandbox: its ID, or a prefix of it that no other sandbox's ID starts with.
     id: String,
 }
 

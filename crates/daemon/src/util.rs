@@ -23,6 +23,31 @@ pub fn is_id(text: &str) -> bool {
     text.len() == ID_LEN && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
+/// What an ID or ID prefix names among `ids` (Docker-style short IDs): the ID equal to `given`,
+/// else the only one that starts with it. `Ok(None)` when none does (and for an empty
+/// `given`, which would match everything); `Err` with every match, sorted, when several do.
+/// A full ID that is gone never names another sandbox, since all IDs have [`ID_LEN`] characters.
+pub fn resolve_id<'a>(
+    ids: impl IntoIterator<Item = &'a str>,
+    given: &str,
+) -> Result<Option<&'a str>, Vec<String>> {
+    if given.is_empty() {
+        return Ok(None);
+    }
+    let mut matches: Vec<&str> = ids.into_iter().filter(|id| id.starts_with(given)).collect();
+    if let Some(exact) = matches.iter().find(|id| **id == given) {
+        return Ok(Some(*exact));
+    }
+    match matches.len() {
+        0 => Ok(None),
+        1 => Ok(matches.pop()),
+        _ => {
+            matches.sort_unstable();
+            Err(matches.into_iter().map(str::to_owned).collect())
+        }
+    }
+}
+
 /// Milliseconds since the Unix epoch, now.
 pub fn now_ms() -> u64 {
     SystemTime::now()
@@ -110,6 +135,29 @@ mod tests {
         // Assert
         assert_eq!(text, "2024-02-29T23:59:58.007Z");
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn a_unique_prefix_names_its_sandbox_and_an_ambiguous_one_lists_the_candidates() {
+        // Arrange
+        let ids = ["ab12cd34ef56", "ab99cd34ef56", "0123456789ab"];
+
+        // Act
+        let full = resolve_id(ids, "ab12cd34ef56");
+        let short = resolve_id(ids, "0");
+        let ambiguous = resolve_id(ids, "ab");
+        let unknown = resolve_id(ids, "ffff");
+        let empty = resolve_id(ids, "");
+
+        // Assert
+        assert_eq!(full, Ok(Some("ab12cd34ef56")));
+        assert_eq!(short, Ok(Some("0123456789ab")));
+        assert_eq!(
+            ambiguous,
+            Err(vec!["ab12cd34ef56".to_owned(), "ab99cd34ef56".to_owned()])
+        );
+        assert_eq!(unknown, Ok(None));
+        assert_eq!(empty, Ok(None));
     }
 
     #[test]

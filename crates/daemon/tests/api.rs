@@ -263,3 +263,61 @@ fn metrics_count_creates_execs_and_vm_exits() {
         "{text}"
     );
 }
+
+#[test]
+fn a_unique_id_prefix_names_a_sandbox_and_an_ambiguous_one_is_refused() {
+    // Arrange: create sandboxes until two IDs share their first digit (by pigeonhole, at most
+    // 17), so that every other ID differs from both in its first digit.
+    let daemon = TestDaemon::start();
+    let client = daemon.client();
+    let rt = rt();
+    let (a, b) = rt.block_on(async {
+        let mut ids: Vec<String> = Vec::new();
+        loop {
+            let id = client.create(&spec_with_labels(&[])).await.unwrap().id;
+            if let Some(twin) = ids.iter().find(|other| other[..1] == id[..1]) {
+                return (twin.clone(), id);
+            }
+            ids.push(id);
+        }
+    });
+    let shared = a.len() - a.chars().zip(b.chars()).skip_while(|(x, y)| x == y).count();
+    let common = &a[..shared];
+    let only_a = &a[..shared + 1];
+    let only_b = &b[..shared + 1];
+
+    // Act
+    let (by_prefix, ambiguous, refused_delete, exec, deleted_a, b_after) = rt.block_on(async {
+        let by_prefix = client.get(only_a).await.unwrap();
+        let ambiguous = client.get(common).await.unwrap_err();
+        let refused_delete = client.delete(common).await.unwrap_err();
+        let exec = client
+            .exec_collect(only_b, &ExecSpec::new(["sh", "-c", "echo via-prefix"]))
+            .await
+            .unwrap();
+        client.delete(only_a).await.unwrap();
+        let deleted_a = client.get(&a).await.unwrap_err();
+        let b_after = client.get(&b).await.unwrap();
+        (
+            by_prefix,
+            ambiguous,
+            refused_delete,
+            exec,
+            deleted_a,
+            b_after,
+        )
+    });
+
+    // Assert
+    assert_eq!(by_prefix.id, a);
+    assert_eq!(ambiguous.status(), Some(400), "{ambiguous}");
+    let message = ambiguous.to_string();
+    assert!(
+        message.contains("ambiguous_id") && message.contains(&a) && message.contains(&b),
+        "{message}"
+    );
+    assert_eq!(refused_delete.status(), Some(400), "{refused_delete}");
+    assert_eq!(exec.stdout, b"via-prefix\n");
+    assert_eq!(deleted_a.status(), Some(404));
+    assert_eq!(b_after.state, SandboxState::Running);
+}

@@ -76,6 +76,7 @@ impl From<ManagerError> for ApiError {
         let (status, code) = match &err {
             ManagerError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ManagerError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ManagerError::Ambiguous { .. } => (StatusCode::BAD_REQUEST, "ambiguous_id"),
             ManagerError::InsufficientMemory(_) => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "insufficient_memory")
             }

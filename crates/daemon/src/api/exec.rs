@@ -34,11 +34,11 @@ const MAX_TIMEOUT_S: f64 = 365.0 * 86_400.0;
 /// `{"stderr": base64}`, and last `{"exit": {...}}` (or `{"error": {...}}` if the VM failed
 /// meanwhile). Closing the connection kills the command.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", tag = "exec", request_body = ExecSpec,
-    params(("id" = String, Path, description = "Sandbox ID")),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
     responses(
         (status = 200, description = "NDJSON stream, one ExecLine per line", body = ExecLine,
             content_type = "application/x-ndjson"),
-        (status = 400, description = "Invalid request, or the agent refused it", body = ErrorBody),
+        (status = 400, description = "Invalid request, an ambiguous ID prefix, or the agent refused it", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox is not running", body = ErrorBody),
         (status = 502, description = "The guest agent cannot be reached", body = ErrorBody)))]
@@ -72,10 +72,10 @@ pub async fn exec_stream(
 /// Runs a command and answers with all its output once it ends (for small outputs: beyond the
 /// daemon's `max_collect_bytes` the command is killed and the answer is 413).
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/collect", tag = "exec", request_body = ExecSpec,
-    params(("id" = String, Path, description = "Sandbox ID")),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
     responses(
         (status = 200, description = "The command ended", body = ExecResult),
-        (status = 400, description = "Invalid request, or the agent refused it", body = ErrorBody),
+        (status = 400, description = "Invalid request, an ambiguous ID prefix, or the agent refused it", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox is not running", body = ErrorBody),
         (status = 413, description = "Output larger than the limit; the command was killed", body = ErrorBody),

@@ -26,13 +26,13 @@ const DEFAULT_MODE: u32 = 0o644;
 /// Writes the request body to the guest file `path` (absolute; missing parent directories are
 /// created) with the permission bits of the `x-bulkhead-mode` header (octal, default `644`).
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/files", tag = "files",
-    params(("id" = String, Path, description = "Sandbox ID"),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with"),
         ("path" = String, Query, description = "Absolute guest path without `..` components"),
         ("x-bulkhead-mode" = Option<String>, Header, description = "Octal permission bits, default 644")),
     request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "File contents"),
     responses(
         (status = 200, description = "Written", body = FileWritten),
-        (status = 400, description = "Bad path or mode, or the guest refused", body = ErrorBody),
+        (status = 400, description = "Bad path or mode, an ambiguous ID prefix, or the guest refused", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox is not running", body = ErrorBody),
         (status = 413, description = "Larger than the daemon's max_file_bytes", body = ErrorBody),
@@ -71,11 +71,11 @@ pub async fn put_file(
 
 /// The contents of the guest file `path` (a regular file).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", tag = "files",
-    params(("id" = String, Path, description = "Sandbox ID"),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with"),
         ("path" = String, Query, description = "Absolute guest path without `..` components")),
     responses(
         (status = 200, description = "File contents", body = Vec<u8>, content_type = "application/octet-stream"),
-        (status = 400, description = "Bad path, or not a regular file", body = ErrorBody),
+        (status = 400, description = "Bad path, not a regular file, or an ambiguous ID prefix", body = ErrorBody),
         (status = 404, description = "No such sandbox or file", body = ErrorBody),
         (status = 409, description = "The sandbox is not running", body = ErrorBody),
         (status = 502, description = "The guest agent cannot be reached", body = ErrorBody)))]

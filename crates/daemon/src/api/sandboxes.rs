@@ -60,9 +60,10 @@ pub async fn list(
 
 /// One sandbox.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", tag = "sandboxes",
-    params(("id" = String, Path, description = "Sandbox ID")),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
     responses(
         (status = 200, description = "The sandbox", body = SandboxInfo),
+        (status = 400, description = "An ambiguous ID prefix", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn get_one(
     State(manager): State<Manager>,
@@ -73,9 +74,10 @@ pub async fn get_one(
 
 /// Destroys a sandbox: its VMM, cgroup, runtime files and record. Idempotent.
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", tag = "sandboxes",
-    params(("id" = String, Path, description = "Sandbox ID")),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
     responses(
         (status = 204, description = "Gone (or never existed)"),
+        (status = 400, description = "An ambiguous ID prefix; nothing was destroyed", body = ErrorBody),
         (status = 500, description = "Clean-up failed; the sandbox is kept as failed", body = ErrorBody)))]
 pub async fn delete(
     State(manager): State<Manager>,
@@ -87,11 +89,11 @@ pub async fn delete(
 
 /// The last lines of the VMM's output, which includes the guest's serial console.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/logs", tag = "sandboxes",
-    params(("id" = String, Path, description = "Sandbox ID"),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with"),
         ("lines" = Option<usize>, Query, description = "How many lines (default 200, at most 10000)")),
     responses(
         (status = 200, description = "Log text", body = String, content_type = "text/plain"),
-        (status = 400, description = "Bad `lines`", body = ErrorBody),
+        (status = 400, description = "Bad `lines`, or an ambiguous ID prefix", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody)))]
 pub async fn logs(
     State(manager): State<Manager>,

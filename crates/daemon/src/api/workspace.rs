@@ -23,9 +23,10 @@ use crate::manager::{Manager, WorkspaceFailure};
 /// host implicitly), compared with a snapshot taken when the sandbox started; every other
 /// change is already in the host directory.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/workspace/diff", tag = "workspace",
-    params(("id" = String, Path, description = "Sandbox ID")),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
     responses(
         (status = 200, description = "The changes, flagged ones with a reason", body = WorkspaceDiffInfo),
+        (status = 400, description = "An ambiguous ID prefix", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "Not running, or no workspace", body = ErrorBody),
         (status = 502, description = "The guest agent cannot be reached or sent an invalid change set", body = ErrorBody)))]
@@ -41,12 +42,12 @@ pub async fn diff(
 /// (changed files plus `.bulkhead-export/deleted`). The `x-bulkhead-review` header carries
 /// what needs review: base64 of an `ExportReview` JSON document.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/workspace/export", tag = "workspace",
-    params(("id" = String, Path, description = "Sandbox ID"),
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with"),
         ("format" = ApiFormat, Query, description = "`patch` or `tar`")),
     responses(
         (status = 200, description = "The export", body = Vec<u8>, content_type = "application/octet-stream",
             headers(("x-bulkhead-review" = String, description = "base64 of the ExportReview JSON"))),
-        (status = 400, description = "Missing or unknown format", body = ErrorBody),
+        (status = 400, description = "Missing or unknown format, or an ambiguous ID prefix", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "Not running, no workspace, or a direct workspace", body = ErrorBody),
         (status = 502, description = "The guest agent cannot be reached or sent an invalid change set", body = ErrorBody)))]

@@ -46,6 +46,14 @@ pub enum ManagerError {
     /// The request is invalid (400).
     #[error("{0}")]
     Invalid(String),
+    /// A short ID that several sandboxes' IDs start with (400).
+    #[error("sandbox ID prefix {prefix} is ambiguous: it matches {}", matches.join(", "))]
+    Ambiguous {
+        /// The prefix given.
+        prefix: String,
+        /// The IDs it matches, sorted.
+        matches: Vec<String>,
+    },
     /// The host lacks the memory asked for (422).
     #[error("{0}")]
     InsufficientMemory(String),
@@ -170,22 +178,36 @@ impl Manager {
         self.inner.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn entry(&self, id: &str) -> Option<Arc<Entry>> {
-        self.entries().get(id).cloned()
+    /// The sandbox that `id` names: its full ID or a prefix only its ID starts with
+    /// ([`util::resolve_id`]); `Ok(None)` when there is none.
+    fn entry(&self, id: &str) -> Result<Option<Arc<Entry>>, ManagerError> {
+        let entries = self.entries();
+        match util::resolve_id(entries.keys().map(String::as_str), id) {
+            Ok(found) => Ok(found.and_then(|full| entries.get(full).cloned())),
+            Err(matches) => Err(ManagerError::Ambiguous {
+                prefix: id.to_owned(),
+                matches,
+            }),
+        }
+    }
+
+    /// [`Self::entry`], with [`ManagerError::NotFound`] when there is none.
+    fn existing(&self, id: &str) -> Result<Arc<Entry>, ManagerError> {
+        self.entry(id)?
+            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))
     }
 
     fn all_entries(&self) -> Vec<Arc<Entry>> {
         self.entries().values().cloned().collect()
     }
 
-    /// The sandbox `id`.
+    /// The sandbox `id` (its full ID or a prefix that only its ID starts with, as everywhere
+    /// a sandbox is named).
     ///
     /// # Errors
-    /// [`ManagerError::NotFound`].
+    /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`] for a short ID that names several.
     pub fn info(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
-        let entry = self
-            .entry(id)
-            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))?;
+        let entry = self.existing(id)?;
         let inner = entry.lock();
         Ok(info_of(&inner))
     }
@@ -218,11 +240,10 @@ impl Manager {
     /// A client for the agent of running sandbox `id`, with the sandbox's environment.
     ///
     /// # Errors
-    /// [`ManagerError::NotFound`], [`ManagerError::Conflict`] when it is not running.
+    /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`], [`ManagerError::Conflict`] when
+    /// it is not running.
     pub fn agent(&self, id: &str) -> Result<AgentHandle, ManagerError> {
-        let entry = self
-            .entry(id)
-            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))?;
+        let entry = self.existing(id)?;
         let inner = entry.lock();
         match (&inner.state, &inner.sandbox) {
             (SandboxState::Running, Some(sandbox)) => Ok(AgentHandle {
@@ -230,7 +251,7 @@ impl Manager {
                 env: inner.record.spec.env.clone(),
             }),
             (state, _) => Err(ManagerError::Conflict {
-                id: id.to_owned(),
+                id: entry.id.clone(),
                 state: state.as_str(),
             }),
         }
@@ -239,11 +260,9 @@ impl Manager {
     /// The last `lines` lines of sandbox `id`'s VMM output and serial console.
     ///
     /// # Errors
-    /// [`ManagerError::NotFound`].
+    /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`].
     pub fn logs(&self, id: &str, lines: usize) -> Result<String, ManagerError> {
-        let entry = self
-            .entry(id)
-            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))?;
+        let entry = self.existing(id)?;
         let runtime_dir = entry
             .lock()
             .record
@@ -277,10 +296,11 @@ impl Manager {
     /// already destroyed sandbox is not an error.
     ///
     /// # Errors
-    /// [`ManagerError::Internal`] when clean-up failed (the sandbox is then kept as failed, and
+    /// [`ManagerError::Ambiguous`] for a short ID that names several sandboxes (none is
+    /// destroyed); [`ManagerError::Internal`] when clean-up failed (the sandbox is then kept as failed, and
     /// its record stays for a later retry).
     pub async fn destroy(&self, id: &str) -> Result<(), ManagerError> {
-        let Some(entry) = self.entry(id) else {
+        let Some(entry) = self.entry(id)? else {
             return Ok(());
         };
         let this = self.clone();

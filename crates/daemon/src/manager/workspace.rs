@@ -27,19 +27,18 @@ pub enum WorkspaceFailure {
 impl Manager {
     /// The agent client and runtime directory of running sandbox `id`.
     fn workspace_target(&self, id: &str) -> Result<(AgentClient, PathBuf), ManagerError> {
-        let entry = self
-            .entry(id)
-            .ok_or_else(|| ManagerError::NotFound(id.to_owned()))?;
+        let entry = self.existing(id)?;
         let inner = entry.lock();
         match (&inner.state, &inner.sandbox) {
             (SandboxState::Running, Some(sandbox)) => match sandbox.runtime_path() {
                 Some(dir) => Ok((sandbox.client(), dir.to_owned())),
                 None => Err(ManagerError::Internal(format!(
-                    "sandbox {id} has no runtime directory"
+                    "sandbox {} has no runtime directory",
+                    entry.id
                 ))),
             },
             (state, _) => Err(ManagerError::Conflict {
-                id: id.to_owned(),
+                id: entry.id.clone(),
                 state: state.as_str(),
             }),
         }
