@@ -297,8 +297,8 @@ impl Manager {
     ///
     /// # Errors
     /// [`ManagerError::Ambiguous`] for a short ID that names several sandboxes (none is
-    /// destroyed); [`ManagerError::Internal`] when clean-up failed (the sandbox is then kept as failed, and
-    /// its record stays for a later retry).
+    /// destroyed); [`ManagerError::Internal`] when clean-up failed (the sandbox is then kept as
+    /// failed, and its record stays for a later retry).
     pub async fn destroy(&self, id: &str) -> Result<(), ManagerError> {
         let Some(entry) = self.entry(id)? else {
             return Ok(());
