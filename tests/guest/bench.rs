@@ -73,3 +73,49 @@ guest_test!(
         );
     }
 );
+
+guest_test!(
+    fn with_console_a_failed_run_keeps_the_guest_kernels_last_messages() {
+        // Arrange: a command that logs a critical kernel message (printed even on a `quiet`
+        // console) and then fails.
+        let a = artifacts();
+        let dir = scratch_dir();
+        let json = dir.path().join("bench.json");
+        let marker = "bulkhead-bench-console-check";
+        let script = format!("echo '<2>{marker}' > /dev/kmsg; exit 3");
+
+        // Act
+        let out = Command::new(&a.cli)
+            .args([
+                "bench",
+                "--runs",
+                "1",
+                "--memory",
+                "128",
+                "--console",
+                "--json",
+            ])
+            .arg(&json)
+            .args(["--", "sh", "-c", &script])
+            .env("BULKHEAD_KERNEL", &a.vmlinux)
+            .env("BULKHEAD_INITRD", &a.agent_initrd)
+            .env("BULKHEAD_VMM", &a.vmm)
+            .output()
+            .expect("run bulkhead bench");
+
+        // Assert: no run succeeded (exit 1), and the failed run's log tail has the message.
+        assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("bench JSON")).expect("JSON");
+        assert_eq!(report["config"]["console"], true);
+        let run = &report["runs"][0];
+        assert_eq!(run["ok"], false, "{run}");
+        assert_eq!(run["exit_code"], 3, "{run}");
+        let tail = run["vmm_log_tail"].as_array().expect("vmm_log_tail");
+        assert!(
+            tail.iter()
+                .any(|line| line.as_str().unwrap_or("").contains(marker)),
+            "{run}"
+        );
+    }
+);

@@ -23,6 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{SandboxConfig, Storage, PHASE_NAMES};
+use bulkhead_vmm::config::SerialOutput;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use report::{BenchConfig, BenchReport, HostInfo, RunRecord, SCHEMA};
@@ -59,6 +60,12 @@ pub struct BenchArgs {
     /// command.
     #[arg(long, value_name = "SECS", default_value_t = 120.0)]
     boot_timeout: f64,
+    /// Keep each guest's serial console in its VMM output, so that a failed run's
+    /// `vmm_log_tail` also shows the guest kernel's last messages (with the default `quiet`
+    /// command line: errors, oopses, panics, soft-lockup reports). Off by default, as in
+    /// `bulkhead run`.
+    #[arg(long)]
+    console: bool,
     /// Write every run's phases as JSON (schema `bulkhead-bench/1`, see the README).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -70,7 +77,7 @@ pub struct BenchArgs {
         long,
         num_args = 2,
         value_names = ["A.json", "B.json"],
-        conflicts_with_all = ["runs", "concurrency", "mode", "image", "vcpus", "memory", "boot_timeout", "json", "plot", "command"]
+        conflicts_with_all = ["runs", "concurrency", "mode", "image", "vcpus", "memory", "boot_timeout", "console", "json", "plot", "command"]
     )]
     compare: Option<Vec<PathBuf>>,
     /// The command each sandbox runs [default: true].
@@ -119,6 +126,11 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         memory_mib: args.memory,
         ready_timeout: Duration::try_from_secs_f64(args.boot_timeout)
             .map_err(|_| "--boot-timeout must be a non-negative number of seconds")?,
+        console: if args.console {
+            SerialOutput::Stdout
+        } else {
+            SerialOutput::Off
+        },
         ..SandboxConfig::default()
     };
     bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
@@ -157,6 +169,7 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
             image: args.image.clone(),
             vcpus: args.vcpus,
             memory_mib: args.memory,
+            console: args.console,
             command,
         },
         phases: PHASE_NAMES.iter().map(|p| (*p).to_owned()).collect(),

@@ -80,6 +80,10 @@ pub struct BenchConfig {
     pub vcpus: u8,
     /// Guest RAM per sandbox, MiB.
     pub memory_mib: u32,
+    /// `--console`: the guests' serial consoles went to their VMM output (absent in files
+    /// written before the flag existed: off).
+    #[serde(default)]
+    pub console: bool,
     /// The command run in each sandbox.
     pub command: Vec<String>,
 }
@@ -376,6 +380,7 @@ pub(crate) mod tests {
                 image: None,
                 vcpus: 1,
                 memory_mib: 128,
+                console: false,
                 command: vec!["true".into()],
             },
             phases: PHASE_NAMES.iter().map(|s| (*s).to_owned()).collect(),
