@@ -121,6 +121,7 @@ pub struct ExecArgs {
     #[arg(long, short = 'i')]
     stdin: bool,
     /// The sandbox: its ID, or a prefix of it that no other sandbox's ID starts with.
+    #[arg(value_parser = clap::builder::NonEmptyStringValueParser::new())]
     id: String,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
@@ -165,6 +166,7 @@ pub struct LogsArgs {
     #[arg(long, short = 'n', default_value_t = 200)]
     lines: usize,
     /// The sandbox: its ID, or a prefix of it that no other sandbox's ID starts with.
+    #[arg(value_parser = clap::builder::NonEmptyStringValueParser::new())]
     id: String,
 }
 
@@ -446,6 +448,23 @@ mod tests {
         let matches =
             command.try_get_matches_from(std::iter::once("create").chain(args.iter().copied()))?;
         CreateArgs::from_arg_matches(&matches)
+    }
+
+    #[test]
+    fn an_empty_sandbox_id_is_refused_before_asking_the_daemon() {
+        // Arrange
+        let exec = ExecArgs::augment_args(Command::new("exec"));
+        let logs = LogsArgs::augment_args(Command::new("logs"));
+
+        // Act
+        let exec_err = exec
+            .try_get_matches_from(["exec", "", "echo", "x"])
+            .unwrap_err();
+        let logs_err = logs.try_get_matches_from(["logs", ""]).unwrap_err();
+
+        // Assert
+        assert_eq!(exec_err.kind(), clap::error::ErrorKind::InvalidValue);
+        assert_eq!(logs_err.kind(), clap::error::ErrorKind::InvalidValue);
     }
 
     #[test]

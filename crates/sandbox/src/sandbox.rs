@@ -577,7 +577,7 @@ fn check_boot_file(what: &'static str, path: &Path) -> Result<(), Error> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(Error::Missing {
             what,
             path: path_buf(),
-            hint: "; run scripts/setup.sh or pass the path explicitly",
+            hint: "; give the path of an existing file, or run scripts/setup.sh to install the default one",
         }),
         Err(source) => Err(Error::Unreadable {
             what,
