@@ -25,6 +25,9 @@ pub fn render(report: &BenchReport) -> String {
         c.image.as_deref().map(|i| format!(", image {i}")).unwrap_or_default(),
     );
     out.push('\n');
+    if ok == 0 {
+        out.push_str("no run succeeded, so the tables are empty (they count ok runs only; the JSON keeps every run's phases)\n\n");
+    }
     out.push_str(&table("phase (ms since VMM start)", &report.phase_series()));
     out.push('\n');
     out.push_str(&table("step (ms)", &report.step_series()));
@@ -118,6 +121,24 @@ mod tests {
         let cells: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(cells[1..], ["2", "50.0", "100.0", "100.0", "50.0", "100.0"]);
         assert!(text.contains("VMM RSS overhead (KiB)"), "{text}");
+    }
+
+    #[test]
+    fn a_report_without_ok_runs_says_why_its_tables_are_empty() {
+        // Arrange
+        let mut failed = run(0, 1.0);
+        failed.ok = false;
+        failed.error = Some("the command exited 3".into());
+        let r = report(vec![failed]);
+
+        // Act
+        let text = render(&r);
+
+        // Assert
+        assert!(text.contains("0 ok, 1 failed"), "{text}");
+        assert!(text.contains("no run succeeded"), "{text}");
+        let row = text.lines().find(|l| l.starts_with("agent_ready")).unwrap();
+        assert!(row.ends_with('-'), "{text}");
     }
 
     #[test]
