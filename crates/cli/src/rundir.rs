@@ -32,6 +32,33 @@ pub fn create(parent: &Path) -> Result<tempfile::TempDir, String> {
         .map_err(fail)
 }
 
+/// How often [`remove`] deletes a run directory's tree again when entries appeared in it while
+/// it was being deleted.
+const REMOVE_ATTEMPTS: usize = 20;
+
+/// Removes the run directory `dir` while this run's boot (on another thread) and its VMM may
+/// still be creating files in it. `remove_dir_all` alone then fails with ENOTEMPTY whenever an
+/// entry appears in a directory after it was listed, so `dir` is first renamed to
+/// `<dir>.stopping` (new lookups of paths under `dir` then fail with ENOENT, and the new name
+/// still carries this run's pid, so a later run sweeps it should this fail), and the renamed
+/// tree is deleted until it is gone, up to [`REMOVE_ATTEMPTS`] times. A `dir` created again in
+/// the meantime (the boot makes its parent with `create_dir_all`) is deleted too.
+/// Best effort: errors are not reported (the caller is about to exit on a signal).
+pub fn remove(dir: &Path) {
+    let mut aside = dir.as_os_str().to_owned();
+    aside.push(".stopping");
+    let aside = PathBuf::from(aside);
+    let _ = fs::rename(dir, &aside);
+    for _ in 0..REMOVE_ATTEMPTS {
+        let gone = [&aside, dir].into_iter().all(|path| {
+            matches!(fs::remove_dir_all(path), Err(e) if e.kind() == io::ErrorKind::NotFound)
+        });
+        if gone {
+            return;
+        }
+    }
+}
+
 /// Run directories under `parent` whose owning process has exited. Directories whose owner
 /// cannot be told (other names, a pid that exists again) are left alone.
 fn stale_dirs(parent: &Path) -> Vec<PathBuf> {
@@ -71,6 +98,54 @@ mod tests {
         assert_eq!(owner_pid("run-0-abc"), None);
         assert_eq!(owner_pid("sandbox-12-abc"), None);
         assert_eq!(owner_pid("run-12"), None);
+    }
+
+    #[test]
+    fn a_run_dir_still_being_filled_is_removed_completely() {
+        // Arrange: a run directory and a thread that keeps creating files and directories in
+        // it (as the boot and the VMM do) until it no longer can.
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent
+            .path()
+            .join(format!("run-{}-busy", std::process::id()));
+        fs::create_dir_all(dir.join("sb-1")).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let filler = {
+            let (dir, stop) = (dir.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut made = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let sub = dir.join("sb-1").join(format!("d{made}"));
+                    if fs::create_dir(&sub).is_err() || fs::write(sub.join("f"), b"x").is_err() {
+                        break;
+                    }
+                    made += 1;
+                }
+                made
+            })
+        };
+        while !dir.join("sb-1").join("d100").exists() {
+            std::thread::yield_now();
+        }
+
+        // Act
+        remove(&dir);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let made = filler.join().unwrap();
+
+        // Assert: nothing is left, under either name.
+        assert!(made >= 100);
+        let left: Vec<_> = fs::read_dir(parent.path()).unwrap().flatten().collect();
+        assert!(left.is_empty(), "left: {left:?}");
+    }
+
+    #[test]
+    fn removing_a_run_dir_that_is_already_gone_does_nothing() {
+        let parent = tempfile::tempdir().unwrap();
+
+        remove(&parent.path().join("run-1-gone"));
+
+        assert_eq!(fs::read_dir(parent.path()).unwrap().count(), 0);
     }
 
     #[test]

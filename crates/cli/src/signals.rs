@@ -101,7 +101,7 @@ impl SignalRouter {
 
 /// Signal `sig` while the VM boots: removes the run's directory `dir` and exits 128+`sig`.
 fn stop_booting(dir: &std::path::Path, sig: i32) -> ! {
-    let _ = std::fs::remove_dir_all(dir);
+    crate::rundir::remove(dir);
     // Not eprintln!: with stderr a closed pipe it would panic this thread.
     let _ = writeln!(
         std::io::stderr(),
