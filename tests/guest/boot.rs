@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::Output;
 
-use bulkhead_tests::{artifacts, describe, guest_test, run, scratch_dir};
+use bulkhead_tests::{artifacts, describe, guest_test, run, run_with_env, scratch_dir};
 
 /// Default command line plus the test init's action.
 fn cmdline(action: &str) -> String {
@@ -149,6 +149,48 @@ guest_test!(
         );
         let report = std::fs::read_to_string(&debugcon).unwrap();
         assert_eq!(report_field(&report, "cpus"), 1, "{report}");
+    }
+);
+
+guest_test!(
+    fn a_kernel_panic_is_a_crash_even_with_the_serial_console_off() {
+        // Arrange: the test init exits, so the kernel panics ("Attempted to kill init!") and,
+        // with panic=1, resets a second later just as a reboot would.
+        let a = artifacts();
+        let dir = scratch_dir();
+        let boot_log = dir.path().join("boots.log");
+
+        // Act
+        let out = run_with_env(
+            &a.vmm,
+            &[
+                "--kernel",
+                a.vmlinux.to_str().unwrap(),
+                "--initrd",
+                a.test_initrd.to_str().unwrap(),
+                "--serial",
+                "off",
+                "--cmdline",
+                &cmdline("exit"),
+            ],
+            &[("BULKHEAD_BOOT_LOG", &boot_log)],
+        );
+
+        // Assert: exit 3 with the panic's reason, on stderr and in the boot log.
+        assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("the guest crashed: its kernel panicked: Attempted to kill init!"),
+            "{stderr}"
+        );
+        let log = std::fs::read_to_string(&boot_log).unwrap();
+        let lines: Vec<_> = log.lines().collect();
+        assert_eq!(lines.len(), 2, "{log}");
+        assert!(lines[0].contains(" kernel="), "{log}");
+        assert!(
+            lines[1].contains(" crashed: kernel panic: Attempted to kill init!"),
+            "{log}"
+        );
     }
 );
 

@@ -91,9 +91,11 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
     Some(stdout)
 }
 
-/// Whether a failed delegated test reports a guest crash (the VMM's "the guest crashed" or its
-/// triple-fault warning): in the nested test host, guest kernels sometimes triple-fault (README,
-/// "Known problems"), so such a test is run once more; one that fails twice still fails.
+/// Whether a failed delegated test reports a guest crash (the VMM's "the guest crashed", its
+/// triple-fault warning, or a [`CRASH_MARKER`] line: a VMM of the test logged a crash, a triple
+/// fault or a kernel panic, to the boot log): in the nested test host, guest kernels sometimes
+/// crash (README, "Known problems"), so such a test is run once more; one that fails twice
+/// still fails.
 fn nested_guest_crashed(out: &CommandOutput) -> bool {
     [&out.stdout, &out.stderr].iter().any(|bytes| {
         let text = String::from_utf8_lossy(bytes);
@@ -104,6 +106,9 @@ fn nested_guest_crashed(out: &CommandOutput) -> bool {
 /// File inside the test host (its own tmpfs, so it lives as long as that test host) to which every
 /// `bulkhead-vmm` appends a line per boot (`BULKHEAD_BOOT_LOG`).
 const BOOT_LOG: &str = "/tmp/bulkhead-harness-boots.log";
+/// Prefix of the lines the inner script prints after the test for each guest that crashed
+/// during it: `<prefix> pid=<vmm pid> crashed: <how>` (the VMM's boot-log line).
+const CRASH_MARKER: &str = "bulkhead-harness: the guest crashed:";
 /// Prefix of the line the inner script prints after the test: `<prefix> <this run> <total>`.
 const BOOTS_MARKER: &str = "bulkhead-harness: guest boots:";
 
@@ -159,16 +164,19 @@ fn inner_script(args: &[&str]) -> String {
         })
         .map(|(k, v)| format!(" {k}='{v}'"))
         .collect();
-    // The test's status is the script's; the boot counts (lines of the boot log before and
-    // after) are printed on the last line of stdout for `report_guest_boots`.
+    // The test's status is the script's. The guests that crashed during the test (the boot log's
+    // `crashed:` lines since it started) are printed for `nested_guest_crashed`, and the boot
+    // counts (its `kernel=` lines: this test's, all) on the last line for `report_guest_boots`.
     format!(
         "export {INNER_ENV}=1 HOME='{home}' XDG_DATA_HOME='{}' RUST_BACKTRACE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin BULKHEAD_BOOT_LOG={BOOT_LOG}{passthrough}\n\
          cd '{}'\n\
          before=$(cat {BOOT_LOG} 2>/dev/null | wc -l)\n\
          '{}' {}\n\
          rc=$?\n\
-         after=$(cat {BOOT_LOG} 2>/dev/null | wc -l)\n\
-         echo \"{BOOTS_MARKER} $((after - before)) $after\"\n\
+         tail -n +$((before + 1)) {BOOT_LOG} 2>/dev/null | grep ' crashed: ' | sed 's/^/{CRASH_MARKER} /'\n\
+         boots=$(tail -n +$((before + 1)) {BOOT_LOG} 2>/dev/null | grep -c ' kernel=')\n\
+         total=$(cat {BOOT_LOG} 2>/dev/null | grep -c ' kernel=')\n\
+         echo \"{BOOTS_MARKER} $boots $total\"\n\
          exit $rc\n",
         data.display(),
         workspace_root().display(),
@@ -298,8 +306,17 @@ const RUN_TIMEOUT: Duration = Duration::from_secs(300);
 /// # Panics
 /// When the program cannot be started or is still running after 300 s (it is killed first).
 pub fn run(program: &Path, args: &[&str]) -> Output {
+    run_with_env(program, args, &[])
+}
+
+/// [`run`] with extra environment variables `env` (`(name, value)` pairs).
+///
+/// # Panics
+/// As [`run`].
+pub fn run_with_env(program: &Path, args: &[&str], env: &[(&str, &Path)]) -> Output {
     let child = Command::new(program)
         .args(args)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

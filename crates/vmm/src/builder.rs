@@ -18,6 +18,7 @@ use crate::boot;
 use crate::config::{DiskConfig, SerialOutput, ShareConfig, VmConfig};
 use crate::device_manager::{self, MmioDeviceManager, MmioSlot};
 use crate::devices::bus::{self, Bus};
+use crate::devices::legacy::panic_watch::{GuestPanic, PanicWatch};
 use crate::devices::legacy::serial;
 use crate::devices::virtio::block::{self, Block, BlockConfig};
 use crate::devices::virtio::fs::{self, Fs, FsConfig};
@@ -212,6 +213,7 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
         guest_memory,
         reset_evt: legacy.reset_evt,
         debug_first_write: legacy.debug_first_write,
+        guest_panic: legacy.guest_panic,
         timeline,
         event_manager,
     })
@@ -337,13 +339,19 @@ pub(crate) struct LegacyDevices {
     pub(crate) reset_evt: EventFd,
     /// When the guest first wrote to the debug port.
     pub(crate) debug_first_write: Arc<OnceLock<Instant>>,
+    /// The reason of a kernel panic the guest printed on its console.
+    pub(crate) guest_panic: GuestPanic,
 }
 
-/// Where the serial console's output goes.
-pub(crate) fn serial_sink(output: &SerialOutput) -> Result<Box<dyn Write + Send>, Error> {
-    Ok(match output {
+/// Where the serial console's output goes, watched for a kernel panic (see [`PanicWatch`]).
+pub(crate) fn serial_sink(
+    output: &SerialOutput,
+) -> Result<(Box<dyn Write + Send>, GuestPanic), Error> {
+    let sink: Box<dyn Write + Send> = match output {
         SerialOutput::Stdout => Box::new(std::io::stdout()),
         SerialOutput::Off => Box::new(std::io::sink()),
         SerialOutput::File(path) => serial::file_sink(path)?,
-    })
+    };
+    let (watched, panic) = PanicWatch::new(sink);
+    Ok((Box::new(watched), panic))
 }

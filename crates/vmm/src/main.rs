@@ -1,12 +1,14 @@
 //! `bulkhead-vmm`: boots one microVM and exits when the guest does.
 //!
 //! Exit status: 0 when the guest reset (`reboot`) or powered off; 1 when the VM could not be built
-//! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed or a vCPU failed;
+//! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed (a crash KVM
+//! reports, a triple fault, or a reset after its console showed a kernel panic) or a vCPU failed;
 //! 4 when a seccomp filter (`--seccomp on`) blocked a system call: stderr then has
 //! `bulkhead-vmm: seccomp: blocked syscall N (<thread kind>)` with the call's number.
 //!
 //! Environment: `BULKHEAD_LOG` (tracing filter, default `warn`); `BULKHEAD_BOOT_LOG=FILE`
-//! appends one line per booted VM to FILE (see `log_boot`); `BULKHEAD_SECCOMP` (`on`, `off`,
+//! appends one line per booted VM, and one per guest crash, to FILE (see `BootLog`);
+//! `BULKHEAD_SECCOMP` (`on`, `off`,
 //! `log`) stands for `--seccomp` when the flag is not given.
 //!
 //! With `--jail-uid U --jail-gid G --jail-root DIR` (as root) the VMM jails itself before it
@@ -179,8 +181,9 @@ fn main() -> ExitCode {
 }
 
 /// Environment variable naming a file that gets one line per VM this binary boots
-/// (`pid=<pid> kernel=<path>`), appended with `O_APPEND` so concurrent VMMs never interleave.
-/// The test suite counts guest boots with it; an operator can use it as a boot audit trail.
+/// (`pid=<pid> kernel=<path>`) and one per guest that crashed (`pid=<pid> crashed: <how>`),
+/// appended with `O_APPEND` so concurrent VMMs never interleave. The test suite counts guest
+/// boots and notices nested-guest crashes with it; an operator can use it as an audit trail.
 const BOOT_LOG_ENV: &str = "BULKHEAD_BOOT_LOG";
 
 /// The [`BOOT_LOG_ENV`] file, opened before the jail (which does not hold it), with the pid the
@@ -208,12 +211,22 @@ impl BootLog {
     }
 
     /// Appends this boot (`pid=<pid> kernel=<path>`).
-    fn append(self, kernel: &Path) {
+    fn boot(&mut self, kernel: &Path) {
+        self.append(&format!("kernel={}", kernel.display()));
+    }
+
+    /// Appends that the guest crashed (`pid=<pid> crashed: <how>`).
+    fn crash(&mut self, how: &str) {
+        self.append(&format!("crashed: {how}"));
+    }
+
+    /// Appends `pid=<pid> <what>` as one line (a single write, so lines never interleave).
+    fn append(&mut self, what: &str) {
         use std::io::Write;
-        let Some((mut file, pid)) = self.0 else {
+        let Some((file, pid)) = &mut self.0 else {
             return;
         };
-        let line = format!("pid={pid} kernel={}\n", kernel.display());
+        let line = format!("pid={pid} {what}\n");
         if let Err(e) = file.write_all(line.as_bytes()) {
             tracing::warn!("cannot append to the {BOOT_LOG_ENV} file: {e}");
         }
@@ -265,7 +278,7 @@ fn run(args: Args, launch: Launch) -> Result<ExitCode, String> {
         Ok((soft, _)) => tracing::debug!("open files limit: {soft}"),
         Err(e) => tracing::warn!("cannot raise the open files limit: {e}"),
     }
-    let boot_log = BootLog::open();
+    let mut boot_log = BootLog::open();
     let confined = match &launch.jail {
         Some(jail) => {
             let timings_path = launch.timings.as_ref().map(|(path, _)| path.as_path());
@@ -278,7 +291,7 @@ fn run(args: Args, launch: Launch) -> Result<ExitCode, String> {
     if let Some(confined) = confined {
         confined.drop_privileges().map_err(|e| e.to_string())?;
     }
-    boot_log.append(&config.kernel);
+    boot_log.boot(&config.kernel);
     stop_on_signals(vmm.stop_handle(), Arc::clone(&seccomp))?;
     // Jailed, the stop signals were blocked until now (see `jail::unblock_stop_signals`).
     jail::unblock_stop_signals().map_err(|e| e.to_string())?;
@@ -304,6 +317,12 @@ fn run(args: Args, launch: Launch) -> Result<ExitCode, String> {
         ExitReason::Reset | ExitReason::PowerOff | ExitReason::Stopped => ExitCode::SUCCESS,
         ExitReason::GuestCrash => {
             eprintln!("bulkhead-vmm: the guest crashed");
+            boot_log.crash("triple fault or KVM crash event");
+            ExitCode::from(3)
+        }
+        ExitReason::GuestPanic(reason) => {
+            eprintln!("bulkhead-vmm: the guest crashed: its kernel panicked: {reason}");
+            boot_log.crash(&format!("kernel panic: {reason}"));
             ExitCode::from(3)
         }
         ExitReason::Fatal(msg) => {

@@ -13,6 +13,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::Killable;
 
+use crate::devices::legacy::panic_watch::GuestPanic;
 use crate::seccomp::{ThreadFilters, ThreadKind};
 use crate::vstate::vcpu::{self, ExitReason, Vcpu, VcpuShared};
 use crate::vstate::vm::Vm;
@@ -95,6 +96,7 @@ pub struct Vmm {
     pub(crate) guest_memory: GuestMemoryMmap,
     pub(crate) reset_evt: EventFd,
     pub(crate) debug_first_write: Arc<OnceLock<Instant>>,
+    pub(crate) guest_panic: GuestPanic,
     pub(crate) timeline: BootTimeline,
     pub(crate) event_manager: EventLoop,
 }
@@ -219,7 +221,7 @@ impl Vmm {
             .clone()
             .unwrap_or(ExitReason::Stopped);
         Ok(RunOutcome {
-            reason,
+            reason: reason.or_panic(self.guest_panic.get()),
             timeline: self.timeline.clone(),
         })
     }

@@ -41,7 +41,7 @@ pub(crate) fn legacy_devices(
 
     let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
     vm.register_irqfd(&irq, COM1_IRQ)?;
-    let sink = match serial_sink(&config.serial) {
+    let (sink, guest_panic) = match serial_sink(&config.serial) {
         Ok(sink) => sink,
         Err(e) => {
             remove_created(config.debugcon.as_deref());
@@ -54,6 +54,7 @@ pub(crate) fn legacy_devices(
         pio,
         reset_evt,
         debug_first_write: first_write,
+        guest_panic,
     })
 }
 

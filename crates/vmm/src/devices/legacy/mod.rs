@@ -3,6 +3,7 @@
 
 pub mod debugcon;
 pub mod i8042;
+pub mod panic_watch;
 pub mod serial;
 
 use std::io;
