@@ -30,7 +30,7 @@ enum Command {
     #[command(after_help = EXIT_STATUS_HELP, allow_negative_numbers = true)]
     Run(run::RunArgs),
     /// Time N cold starts phase by phase: percentile table, JSON, SVG plot, comparisons.
-    #[command(allow_negative_numbers = true)]
+    #[command(allow_negative_numbers = true, override_usage = BENCH_USAGE)]
     Bench(bench::BenchArgs),
     /// Create a sandbox in the daemon (bulkheadd) and print its ID.
     #[command(allow_negative_numbers = true)]
@@ -90,6 +90,11 @@ const EXIT_STATUS_HELP: &str = "Exit status:
   124    --timeout expired and the command's process group was killed
   125    bulkhead itself failed: bad input, no VM, the command's output could not be written";
 
+/// The usage line of `bench`, whose two forms take different arguments (a command is refused
+/// with `--compare`).
+const BENCH_USAGE: &str = "bulkhead bench [OPTIONS] [CMD]...
+       bulkhead bench --compare <A.json> <B.json>";
+
 /// Prints clap's `--help` or `--version` text (`e`) to stdout like any Unix tool: killed by
 /// SIGPIPE when the reader went away, and 125 with an error on stderr when stdout was closed
 /// at start or the write failed (e.g. ENOSPC), instead of a silent 0.
@@ -145,5 +150,29 @@ fn main() -> ExitCode {
         Command::Diff(args) => workspace_cmds::diff(args),
         Command::Export(args) => workspace_cmds::export(args),
         Command::Image(args) => image_cmds::image(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn bench_usage_shows_compare_without_a_command() {
+        let mut cli = Cli::command();
+        let bench = cli.find_subcommand_mut("bench").unwrap();
+
+        let usage = bench.render_usage().to_string();
+
+        assert!(
+            usage.contains("bulkhead bench [OPTIONS] [CMD]..."),
+            "{usage}"
+        );
+        assert!(
+            usage.contains("bulkhead bench --compare <A.json> <B.json>"),
+            "{usage}"
+        );
     }
 }
