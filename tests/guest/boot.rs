@@ -50,6 +50,25 @@ fn boot(kernel: &Path, vcpus: u8, memory_mib: u32, action: &str) -> Boot {
     }
 }
 
+/// Boots the default vmlinux with the test init doing `action`, the console to `serial`, `extra`
+/// VMM arguments and environment `env`; returns the VMM's output.
+fn boot_vmlinux(serial: &str, action: &str, extra: &[&str], env: &[(&str, &Path)]) -> Output {
+    let a = artifacts();
+    let cmdline = cmdline(action);
+    let mut args = vec![
+        "--kernel",
+        a.vmlinux.to_str().unwrap(),
+        "--initrd",
+        a.test_initrd.to_str().unwrap(),
+        "--serial",
+        serial,
+        "--cmdline",
+        &cmdline,
+    ];
+    args.extend_from_slice(extra);
+    run_with_env(&a.vmm, &args, env)
+}
+
 /// The value of `key=` in the test init's report line.
 fn report_field(report: &str, key: &str) -> u64 {
     let line = report
@@ -121,24 +140,14 @@ guest_test!(
 
 guest_test!(
     fn serial_off_still_boots_and_init_reports_on_the_debug_port() {
-        let a = artifacts();
         let dir = scratch_dir();
         let debugcon = dir.path().join("debugcon.txt");
 
-        let out = run(
-            &a.vmm,
-            &[
-                "--kernel",
-                a.vmlinux.to_str().unwrap(),
-                "--initrd",
-                a.test_initrd.to_str().unwrap(),
-                "--serial",
-                "off",
-                "--debugcon",
-                debugcon.to_str().unwrap(),
-                "--cmdline",
-                &cmdline("reboot"),
-            ],
+        let out = boot_vmlinux(
+            "off",
+            "reboot",
+            &["--debugcon", debugcon.to_str().unwrap()],
+            &[],
         );
 
         assert!(out.status.success(), "{}", describe(&out));
@@ -156,25 +165,11 @@ guest_test!(
     fn a_kernel_panic_is_a_crash_even_with_the_serial_console_off() {
         // Arrange: the test init exits, so the kernel panics ("Attempted to kill init!") and,
         // with panic=1, resets a second later just as a reboot would.
-        let a = artifacts();
         let dir = scratch_dir();
         let boot_log = dir.path().join("boots.log");
 
         // Act
-        let out = run_with_env(
-            &a.vmm,
-            &[
-                "--kernel",
-                a.vmlinux.to_str().unwrap(),
-                "--initrd",
-                a.test_initrd.to_str().unwrap(),
-                "--serial",
-                "off",
-                "--cmdline",
-                &cmdline("exit"),
-            ],
-            &[("BULKHEAD_BOOT_LOG", &boot_log)],
-        );
+        let out = boot_vmlinux("off", "exit", &[], &[("BULKHEAD_BOOT_LOG", &boot_log)]);
 
         // Assert: exit 3 with the panic's reason, on stderr and in the boot log.
         assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
@@ -196,21 +191,7 @@ guest_test!(
 
 guest_test!(
     fn serial_on_stdout_carries_the_console() {
-        let a = artifacts();
-
-        let out = run(
-            &a.vmm,
-            &[
-                "--kernel",
-                a.vmlinux.to_str().unwrap(),
-                "--initrd",
-                a.test_initrd.to_str().unwrap(),
-                "--serial",
-                "stdout",
-                "--cmdline",
-                &cmdline("reboot"),
-            ],
-        );
+        let out = boot_vmlinux("stdout", "reboot", &[], &[]);
 
         assert!(out.status.success(), "{}", describe(&out));
         let stdout = String::from_utf8_lossy(&out.stdout);
