@@ -223,10 +223,12 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
 /// [`VM_END_WAIT`] for the VMM): a crashed guest explains a connection that closed early.
 fn explain_vm_end(sandbox: &mut Sandbox, message: String) -> String {
     match sandbox.wait_exit(VM_END_WAIT) {
-        Ok(Some(status)) if status.code() == Some(3) => match crash_detail(&sandbox.log_tail(20)) {
-            Some(how) => format!("{message}: the guest crashed: {how}"),
-            None => format!("{message}: the guest crashed (a kernel panic or triple fault)"),
-        },
+        Ok(Some(status)) if status.code() == Some(3) => {
+            match bulkhead_sandbox::guest_crash_detail(&sandbox.log_tail(20)) {
+                Some(how) => format!("{message}: the guest crashed: {how}"),
+                None => format!("{message}: the guest crashed (a kernel panic or triple fault)"),
+            }
+        }
         Ok(Some(status)) if status.code() == Some(4) => {
             let call = sandbox
                 .log_tail(20)
@@ -241,15 +243,6 @@ fn explain_vm_end(sandbox: &mut Sandbox, message: String) -> String {
         Ok(Some(status)) => format!("{message}: the VMM ended ({status})"),
         _ => message,
     }
-}
-
-/// How the guest crashed, from the VMM's last `the guest crashed: <how>` line in `log_tail`
-/// (it names a kernel panic's reason; a triple fault has no such detail).
-fn crash_detail(log_tail: &str) -> Option<&str> {
-    log_tail
-        .lines()
-        .rev()
-        .find_map(|l| l.trim().strip_prefix("bulkhead-vmm: the guest crashed: "))
 }
 
 /// `--timings`: one line per phase on stderr, ms since the VMM process started.
@@ -638,14 +631,6 @@ fn exit_code(status: &ExitStatus) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_crash_names_the_kernel_panic_the_vmm_saw() {
-        let tail = "noise\nbulkhead-vmm: the guest crashed: its kernel panicked: Oops\n";
-
-        assert_eq!(crash_detail(tail), Some("its kernel panicked: Oops"));
-        assert_eq!(crash_detail("bulkhead-vmm: the guest crashed\n"), None);
-    }
 
     #[test]
     fn signals_map_to_128_plus_n_and_timeouts_to_124() {

@@ -47,6 +47,28 @@ impl fmt::Display for VmmExit {
     }
 }
 
+/// What `bulkhead-vmm` prints before saying how its guest crashed (exit code 3), when it knows:
+/// `bulkhead-vmm: the guest crashed: its kernel panicked: <reason>`.
+const CRASH_LINE: &str = "bulkhead-vmm: the guest crashed: ";
+
+/// How the guest crashed, from the last line of a VMM's output `log_tail` that says so; `None`
+/// when the VMM gave no detail (a triple fault) or none of the lines is such a line.
+///
+/// ```
+/// let log = "console noise\nbulkhead-vmm: the guest crashed: its kernel panicked: Oops\n";
+/// assert_eq!(
+///     bulkhead_sandbox::guest_crash_detail(log),
+///     Some("its kernel panicked: Oops")
+/// );
+/// assert_eq!(bulkhead_sandbox::guest_crash_detail("bulkhead-vmm: the guest crashed\n"), None);
+/// ```
+pub fn guest_crash_detail(log_tail: &str) -> Option<&str> {
+    log_tail
+        .lines()
+        .rev()
+        .find_map(|line| line.split_once(CRASH_LINE).map(|(_, how)| how.trim()))
+}
+
 /// A VMM process we did not spawn, held through a pidfd.
 #[derive(Debug)]
 pub(crate) struct Adopted {

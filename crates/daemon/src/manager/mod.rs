@@ -385,15 +385,20 @@ const SECCOMP_LINE: &str = "bulkhead-vmm: seccomp: blocked syscall ";
 
 /// The failure message of a VMM that ended by itself: its exit status and, for a seccomp kill,
 /// the blocked system call's number and thread kind as the VMM logged them, e.g. `the VMM ended:
-/// exit code 4: its seccomp filter blocked syscall 41 (vcpu)`.
+/// exit code 4: its seccomp filter blocked syscall 41 (vcpu)`; for a guest crash the VMM
+/// described, how (`the VMM ended: exit code 3: the guest crashed: its kernel panicked: ...`).
 fn exit_message(exit: bulkhead_sandbox::VmmExit, log_tail: &str) -> String {
     let blocked = log_tail
         .lines()
         .rev()
         .find_map(|line| line.split_once(SECCOMP_LINE).map(|(_, rest)| rest.trim()));
-    match (exit, blocked) {
-        (bulkhead_sandbox::VmmExit::Code(4), Some(call)) => {
+    let crash = bulkhead_sandbox::guest_crash_detail(log_tail);
+    match (exit, blocked, crash) {
+        (bulkhead_sandbox::VmmExit::Code(4), Some(call), _) => {
             format!("the VMM ended: {exit}: its seccomp filter blocked syscall {call}")
+        }
+        (bulkhead_sandbox::VmmExit::Code(3), _, Some(how)) => {
+            format!("the VMM ended: {exit}: the guest crashed: {how}")
         }
         _ => format!("the VMM ended: {exit}"),
     }
@@ -440,5 +445,17 @@ mod tests {
 
         assert_eq!(exit_reason(VmmExit::Code(3)), "guest_crash");
         assert_eq!(message, "the VMM ended: exit code 3");
+    }
+
+    #[test]
+    fn a_guest_kernel_panic_is_reported_with_its_reason() {
+        let log = "bulkhead-vmm: the guest crashed: its kernel panicked: Attempted to kill init!\n";
+
+        let message = exit_message(VmmExit::Code(3), log);
+
+        assert_eq!(
+            message,
+            "the VMM ended: exit code 3: the guest crashed: its kernel panicked: Attempted to kill init!"
+        );
     }
 }
