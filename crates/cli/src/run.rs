@@ -197,7 +197,13 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let run_dir = rundir::create(&config.runtime_dir)?;
     config.runtime_dir = run_dir.path().to_owned();
     let router = SignalRouter::install(run_dir.path().to_owned())?;
-    let mut sandbox = Sandbox::start_with(&config, &storage).map_err(|e| e.to_string())?;
+    let mut sandbox = match Sandbox::start_with(&config, &storage) {
+        Ok(sandbox) => sandbox,
+        Err(e) => {
+            router.boot_failed();
+            return Err(e.to_string());
+        }
+    };
     let patience = agent_patience(args.boot_timeout);
     let outcome = run_command(&sandbox, &request, &router, patience);
     let outcome = match (outcome, router.command_ended()) {

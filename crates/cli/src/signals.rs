@@ -64,6 +64,7 @@ impl SignalRouter {
             for sig in signals.forever() {
                 let mut routing = routed.lock().unwrap_or_else(|p| p.into_inner());
                 let writer = match &routing.target {
+                    // Exits the process with the lock held (see `boot_failed`).
                     Target::Booting(dir) => stop_booting(dir, sig),
                     Target::Running(writer) => writer.clone(),
                     Target::Ended => continue,
@@ -86,6 +87,18 @@ impl SignalRouter {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .target = Target::Running(writer);
+    }
+
+    /// The boot failed, and the run is about to exit with that error: signals are no longer
+    /// routed. A signal that is stopping the boot at this moment holds the routing lock until it
+    /// exits the process, and its removal of the run directory is likely what made the boot
+    /// fail; this then waits for that exit, so the run ends with 128+N as the signal asked and
+    /// not with the boot's error halfway through the removal.
+    pub fn boot_failed(&self) {
+        self.routing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .target = Target::Ended;
     }
 
     /// The command's run is over (ended, failed or given up on): signals are no longer

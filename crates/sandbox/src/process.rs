@@ -34,7 +34,11 @@ pub(crate) fn spawn_vmm(
     log: &Path,
     options: SpawnOptions<'_>,
 ) -> io::Result<Child> {
-    let out = File::options().create(true).append(true).open(log)?;
+    let out = File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", log.display())))?;
     let err = out.try_clone()?;
     let mut cmd = Command::new(vmm);
     cmd.arg("--config")
