@@ -20,29 +20,19 @@ struct Boot {
 
 /// Boots `kernel` with the test init; serial and debug port go to files in a scratch dir.
 fn boot(kernel: &Path, vcpus: u8, memory_mib: u32, action: &str) -> Boot {
-    let a = artifacts();
     let dir = scratch_dir();
     let serial = dir.path().join("serial.txt");
     let debugcon = dir.path().join("debugcon.txt");
-    let output = run(
-        &a.vmm,
-        &[
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--initrd",
-            a.test_initrd.to_str().unwrap(),
-            "--vcpus",
-            &vcpus.to_string(),
-            "--memory",
-            &memory_mib.to_string(),
-            "--serial",
-            serial.to_str().unwrap(),
-            "--debugcon",
-            debugcon.to_str().unwrap(),
-            "--cmdline",
-            &cmdline(action),
-        ],
-    );
+    let (vcpus, memory_mib) = (vcpus.to_string(), memory_mib.to_string());
+    let extra = [
+        "--vcpus",
+        &vcpus,
+        "--memory",
+        &memory_mib,
+        "--debugcon",
+        debugcon.to_str().unwrap(),
+    ];
+    let output = boot_test_init(kernel, serial.to_str().unwrap(), action, &extra, &[]);
     Boot {
         output,
         serial: std::fs::read_to_string(&serial).unwrap_or_default(),
@@ -50,14 +40,20 @@ fn boot(kernel: &Path, vcpus: u8, memory_mib: u32, action: &str) -> Boot {
     }
 }
 
-/// Boots the default vmlinux with the test init doing `action`, the console to `serial`, `extra`
-/// VMM arguments and environment `env`; returns the VMM's output.
-fn boot_vmlinux(serial: &str, action: &str, extra: &[&str], env: &[(&str, &Path)]) -> Output {
+/// Boots `kernel` with the test init doing `action`, the console to `serial` (`--serial`),
+/// `extra` VMM arguments and environment `env`; returns the VMM's output.
+fn boot_test_init(
+    kernel: &Path,
+    serial: &str,
+    action: &str,
+    extra: &[&str],
+    env: &[(&str, &Path)],
+) -> Output {
     let a = artifacts();
     let cmdline = cmdline(action);
     let mut args = vec![
         "--kernel",
-        a.vmlinux.to_str().unwrap(),
+        kernel.to_str().unwrap(),
         "--initrd",
         a.test_initrd.to_str().unwrap(),
         "--serial",
@@ -143,7 +139,8 @@ guest_test!(
         let dir = scratch_dir();
         let debugcon = dir.path().join("debugcon.txt");
 
-        let out = boot_vmlinux(
+        let out = boot_test_init(
+            &artifacts().vmlinux,
             "off",
             "reboot",
             &["--debugcon", debugcon.to_str().unwrap()],
@@ -169,7 +166,13 @@ guest_test!(
         let boot_log = dir.path().join("boots.log");
 
         // Act
-        let out = boot_vmlinux("off", "exit", &[], &[("BULKHEAD_BOOT_LOG", &boot_log)]);
+        let out = boot_test_init(
+            &artifacts().vmlinux,
+            "off",
+            "exit",
+            &[],
+            &[("BULKHEAD_BOOT_LOG", &boot_log)],
+        );
 
         // Assert: exit 3 with the panic's reason, on stderr and in the boot log.
         assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
@@ -191,7 +194,7 @@ guest_test!(
 
 guest_test!(
     fn serial_on_stdout_carries_the_console() {
-        let out = boot_vmlinux("stdout", "reboot", &[], &[]);
+        let out = boot_test_init(&artifacts().vmlinux, "stdout", "reboot", &[], &[]);
 
         assert!(out.status.success(), "{}", describe(&out));
         let stdout = String::from_utf8_lossy(&out.stdout);
