@@ -323,7 +323,7 @@ guest_test!(
 
         let err = Sandbox::start(&cfg).unwrap_err();
 
-        assert!(matches!(err, Error::ReadyTimeout(_)), "{err}");
+        assert!(matches!(err, Error::ReadyTimeout { .. }), "{err}");
         assert!(err.to_string().contains("destroyed"));
         let left: Vec<_> = std::fs::read_dir(runtime.path()).unwrap().collect();
         assert!(left.is_empty(), "runtime files left: {left:?}");

@@ -90,8 +90,14 @@ pub enum Error {
         log: String,
     },
     /// The agent did not announce itself in time; the VM was destroyed.
-    #[error("the guest agent was not ready within {0:?}; the VM was destroyed (a loaded or nested host can take minutes to boot a guest, so raise `bulkhead run --boot-timeout`, the daemon's `boot_timeout_s` or `SandboxConfig::ready_timeout`; if it never boots, check that the kernel has virtio-vsock and that the initramfs's /init is the bulkhead agent)")]
-    ReadyTimeout(Duration),
+    #[error("the guest agent was not ready within {timeout:?}; the VM was destroyed (a loaded or nested host can take minutes to boot a guest, so raise `bulkhead run --boot-timeout`, the daemon's `boot_timeout_s` or `SandboxConfig::ready_timeout`; if it never boots, check that the kernel has virtio-vsock and that the initramfs's /init is the bulkhead agent){}", log_suffix(.log))]
+    ReadyTimeout {
+        /// How long the agent was waited for.
+        timeout: Duration,
+        /// The last lines of the VMM's output when it was stopped (with a kept console
+        /// ([`SandboxConfig::console`]), the guest kernel's last messages); may be empty.
+        log: String,
+    },
     /// The agent's announcement was invalid.
     #[error("bad readiness announcement from the guest agent: {0}")]
     Ready(ClientError),
@@ -675,7 +681,19 @@ fn wait_ready(
                 log: log_or_explanation(tail_lines(log, LOG_TAIL_LINES), status.success()),
             })
         }
-        Woken::TimedOut => Err(Error::ReadyTimeout(timeout)),
+        Woken::TimedOut => Err(Error::ReadyTimeout {
+            timeout,
+            log: tail_lines(log, LOG_TAIL_LINES),
+        }),
+    }
+}
+
+/// How [`Error::ReadyTimeout`] appends the VMM's log tail: nothing when it is empty.
+fn log_suffix(log: &str) -> String {
+    if log.trim().is_empty() {
+        String::new()
+    } else {
+        format!("; VMM log:\n{log}")
     }
 }
 

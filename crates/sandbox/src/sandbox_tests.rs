@@ -104,7 +104,7 @@ fn an_agent_that_never_comes_up_times_out_and_the_vmm_is_stopped() {
     fs::write(
         &vmm,
         format!(
-            "#!/bin/sh\necho $$ > {}\nexec sleep 60\n",
+            "#!/bin/sh\necho $$ > {}\necho 'virtio_mmio: still probing'\nexec sleep 60\n",
             pidfile.display()
         ),
     )
@@ -116,10 +116,16 @@ fn an_agent_that_never_comes_up_times_out_and_the_vmm_is_stopped() {
 
     let err = Sandbox::start(&config).unwrap_err();
 
-    assert!(matches!(err, Error::ReadyTimeout(_)), "{err}");
-    assert!(err
-        .to_string()
-        .contains("raise `bulkhead run --boot-timeout`"));
+    let Error::ReadyTimeout { log, .. } = &err else {
+        panic!("not a ready time-out: {err}");
+    };
+    assert_eq!(log.trim(), "virtio_mmio: still probing");
+    let message = err.to_string();
+    assert!(message.contains("raise `bulkhead run --boot-timeout`"));
+    assert!(
+        message.ends_with("VMM log:\nvirtio_mmio: still probing"),
+        "{message}"
+    );
     let pid: i32 = fs::read_to_string(&pidfile)
         .unwrap()
         .trim()
