@@ -66,6 +66,10 @@ pub struct BenchArgs {
     /// `bulkhead run`.
     #[arg(long)]
     console: bool,
+    /// Extra guest kernel command-line parameter, appended to the defaults (repeatable), to
+    /// measure its effect, e.g. `--kernel-arg mitigations=off`.
+    #[arg(long = "kernel-arg", value_name = "ARG", value_parser = crate::run::parse_kernel_arg)]
+    kernel_args: Vec<String>,
     /// Write every run's phases as JSON (schema `bulkhead-bench/1`, see the README).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -77,7 +81,7 @@ pub struct BenchArgs {
         long,
         num_args = 2,
         value_names = ["A.json", "B.json"],
-        conflicts_with_all = ["runs", "concurrency", "mode", "image", "vcpus", "memory", "boot_timeout", "console", "json", "plot", "command"]
+        conflicts_with_all = ["runs", "concurrency", "mode", "image", "vcpus", "memory", "boot_timeout", "console", "kernel_args", "json", "plot", "command"]
     )]
     compare: Option<Vec<PathBuf>>,
     /// The command each sandbox runs [default: true].
@@ -131,6 +135,7 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         } else {
             SerialOutput::Off
         },
+        extra_cmdline: args.kernel_args.clone(),
         ..SandboxConfig::default()
     };
     bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
@@ -170,6 +175,9 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
             vcpus: args.vcpus,
             memory_mib: args.memory,
             console: args.console,
+            kernel: config.kernel.clone(),
+            initrd: config.initrd.clone(),
+            kernel_args: args.kernel_args.clone(),
             command,
         },
         phases: PHASE_NAMES.iter().map(|p| (*p).to_owned()).collect(),

@@ -28,7 +28,7 @@
 //! not be read. Readers must ignore unknown fields; a new field keeps the schema name, a
 //! changed meaning bumps it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use bulkhead_sandbox::PHASE_NAMES;
 use serde::{Deserialize, Serialize};
@@ -84,6 +84,15 @@ pub struct BenchConfig {
     /// written before the flag existed: off).
     #[serde(default)]
     pub console: bool,
+    /// The guest kernel booted (absent in files written before it was recorded: empty).
+    #[serde(default)]
+    pub kernel: PathBuf,
+    /// The initramfs booted (absent in older files: empty).
+    #[serde(default)]
+    pub initrd: PathBuf,
+    /// `--kernel-arg`s appended to the default guest command line (absent: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kernel_args: Vec<String>,
     /// The command run in each sandbox.
     pub command: Vec<String>,
 }
@@ -381,6 +390,9 @@ pub(crate) mod tests {
                 vcpus: 1,
                 memory_mib: 128,
                 console: false,
+                kernel: "/k/vmlinux".into(),
+                initrd: "/k/initramfs.cpio.gz".into(),
+                kernel_args: vec!["mitigations=off".into()],
                 command: vec!["true".into()],
             },
             phases: PHASE_NAMES.iter().map(|s| (*s).to_owned()).collect(),
@@ -410,6 +422,29 @@ pub(crate) mod tests {
         assert_eq!(json["schema"], "bulkhead-bench/1");
         assert_eq!(json["runs"][0]["phases_ms"]["guest_init"], 4.0);
         assert!(json["runs"][1]["phases_ms"]["first_output"].is_null());
+        assert_eq!(json["config"]["kernel_args"][0], "mitigations=off");
+    }
+
+    #[test]
+    fn a_file_from_before_kernel_and_kernel_args_were_recorded_still_loads() {
+        // Arrange: today's JSON without the newer config keys
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("older.json");
+        report(vec![run(0, 1.0)]).save(&path).unwrap();
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let config = json["config"].as_object_mut().unwrap();
+        for key in ["kernel", "initrd", "kernel_args"] {
+            config.remove(key);
+        }
+        std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+
+        // Act
+        let back = BenchReport::load(&path).unwrap();
+
+        // Assert
+        assert!(back.config.kernel_args.is_empty());
+        assert_eq!(back.config.kernel, PathBuf::new());
     }
 
     #[test]
