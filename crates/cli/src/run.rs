@@ -253,14 +253,10 @@ fn explain_vm_end(sandbox: &mut Sandbox, message: String) -> String {
             }
         }
         Ok(Some(status)) if status.code() == Some(4) => {
-            let call = sandbox
-                .log_tail(20)
-                .lines()
-                .rev()
-                .find(|l| l.contains("seccomp: blocked syscall"))
-                .map(|l| format!(" ({})", l.trim()))
-                .unwrap_or_default();
-            format!("{message}: the VMM's seccomp filter blocked a system call{call}")
+            match bulkhead_sandbox::blocked_syscall(&sandbox.log_tail(20)) {
+                Some(call) => format!("{message}: the VMM's seccomp filter blocked syscall {call}"),
+                None => format!("{message}: the VMM's seccomp filter blocked a system call"),
+            }
         }
         Ok(Some(status)) if status.success() => format!("{message}: the guest shut itself down"),
         Ok(Some(status)) => format!("{message}: the VMM ended ({status})"),

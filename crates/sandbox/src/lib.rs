@@ -43,7 +43,7 @@ pub use mounts::{Mount, MountError};
 pub use phases::{PhaseClock, Phases, Timings, PHASE_NAMES};
 pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState};
 pub use storage::{Storage, StorageError};
-pub use vmm_process::{guest_crash_detail, start_time_of, VmmExit};
+pub use vmm_process::{blocked_syscall, guest_crash_detail, start_time_of, VmmExit};
 pub use workspace::{
     ExportFormat, Workspace, WorkspaceDiff, WorkspaceError, WorkspaceInfo, WorkspaceMode,
 };

@@ -63,10 +63,31 @@ const CRASH_LINE: &str = "bulkhead-vmm: the guest crashed: ";
 /// assert_eq!(bulkhead_sandbox::guest_crash_detail("bulkhead-vmm: the guest crashed\n"), None);
 /// ```
 pub fn guest_crash_detail(log_tail: &str) -> Option<&str> {
+    last_after(log_tail, CRASH_LINE)
+}
+
+/// What `bulkhead-vmm` prints before its seccomp filter kills it (exit code 4), followed by
+/// `<syscall number> (<thread kind>)` (`bulkhead_vmm::seccomp`).
+const SECCOMP_LINE: &str = "bulkhead-vmm: seccomp: blocked syscall ";
+
+/// The system call the VMM's seccomp filter blocked, as `<number> (<thread kind>)`, from the last
+/// line of a VMM's output `log_tail` that names one; `None` when no line does.
+///
+/// ```
+/// let log = "console noise\nbulkhead-vmm: seccomp: blocked syscall 41 (vcpu)\n";
+/// assert_eq!(bulkhead_sandbox::blocked_syscall(log), Some("41 (vcpu)"));
+/// assert_eq!(bulkhead_sandbox::blocked_syscall("bulkhead-vmm: exiting\n"), None);
+/// ```
+pub fn blocked_syscall(log_tail: &str) -> Option<&str> {
+    last_after(log_tail, SECCOMP_LINE)
+}
+
+/// The rest of the last line of `log_tail` that contains `marker`, after it, trimmed.
+fn last_after<'a>(log_tail: &'a str, marker: &str) -> Option<&'a str> {
     log_tail
         .lines()
         .rev()
-        .find_map(|line| line.split_once(CRASH_LINE).map(|(_, how)| how.trim()))
+        .find_map(|line| line.split_once(marker).map(|(_, rest)| rest.trim()))
 }
 
 /// A VMM process we did not spawn, held through a pidfd.

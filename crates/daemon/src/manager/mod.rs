@@ -379,19 +379,12 @@ fn exit_reason(exit: bulkhead_sandbox::VmmExit) -> &'static str {
     }
 }
 
-/// What `bulkhead-vmm` prints before a seccomp kill (`bulkhead_vmm::seccomp`), followed by
-/// `<syscall number> (<thread kind>)`.
-const SECCOMP_LINE: &str = "bulkhead-vmm: seccomp: blocked syscall ";
-
 /// The failure message of a VMM that ended by itself: its exit status and, for a seccomp kill,
 /// the blocked system call's number and thread kind as the VMM logged them, e.g. `the VMM ended:
 /// exit code 4: its seccomp filter blocked syscall 41 (vcpu)`; for a guest crash the VMM
 /// described, how (`the VMM ended: exit code 3: the guest crashed: its kernel panicked: ...`).
 fn exit_message(exit: bulkhead_sandbox::VmmExit, log_tail: &str) -> String {
-    let blocked = log_tail
-        .lines()
-        .rev()
-        .find_map(|line| line.split_once(SECCOMP_LINE).map(|(_, rest)| rest.trim()));
+    let blocked = bulkhead_sandbox::blocked_syscall(log_tail);
     let crash = bulkhead_sandbox::guest_crash_detail(log_tail);
     match (exit, blocked, crash) {
         (bulkhead_sandbox::VmmExit::Code(4), Some(call), _) => {
