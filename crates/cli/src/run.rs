@@ -127,9 +127,8 @@ fn parse_env(s: &str) -> Result<String, String> {
 pub(crate) fn parse_kernel_arg(s: &str) -> Result<String, String> {
     if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c == '\0') {
         return Err(format!(
-            "`{}` is not one kernel parameter (it must be non-empty, without spaces); give \
-             --kernel-arg once per parameter",
-            s.escape_debug()
+            "{s:?} is not one kernel parameter (it must be non-empty, without spaces); give \
+             --kernel-arg once per parameter"
         ));
     }
     Ok(s.to_owned())
