@@ -32,7 +32,7 @@ SUDO=()
 # Debian packages: QEMU + busybox + cpio for the test host and images, mmdebstrap for the Debian
 # root file-system image, a C toolchain for -sys
 # crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps).
-PKGS=(busybox-static cpio gzip gcc make util-linux e2fsprogs mmdebstrap)
+PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap)
 # The nested test host (QEMU emulating an x86_64 machine with AMD SVM) is for x86_64 hosts.
 [[ "$ARCH" != x86_64 ]] || PKGS+=(qemu-system-x86)
 # The aarch64 cross toolchain (linker for the aarch64 Rust targets, see .cargo/config.toml; C
@@ -62,10 +62,10 @@ cargo build --release --quiet --bins
 cargo build --release --quiet -p bulkhead-agent --target "$MUSL_TARGET"
 
 DATA="${XDG_DATA_HOME:-$HOME/.local/share}/bulkhead"
-log "default guest image -> $DATA/images/default/initramfs.cpio.gz"
+log "default guest image -> $DATA/images/default/initramfs.cpio.lz4"
 scripts/build-initramfs.sh --busybox \
     --init "target/$MUSL_TARGET/release/bulkhead-agent" \
-    --out "$DATA/images/default/initramfs.cpio.gz"
+    --out "$DATA/images/default/initramfs.cpio.lz4"
 
 BIN="$HOME/.local/bin"
 mkdir -p "$BIN"

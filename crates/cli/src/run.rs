@@ -48,7 +48,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "PATH")]
     kernel: Option<PathBuf>,
     /// Initramfs with the bulkhead agent as /init [default: $BULKHEAD_INITRD or
-    /// <data dir>/images/default/initramfs.cpio.gz].
+    /// <data dir>/images/default/initramfs.cpio.lz4].
     #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
     /// Environment variable for the command (repeatable).

@@ -79,7 +79,7 @@ pub struct Config {
     pub kernel: PathBuf,
     /// The initramfs every VM boots (the agent as `/init`; with a root filesystem image it
     /// mounts the image and moves into it). Default `$BULKHEAD_INITRD` or
-    /// `<data dir>/images/default/initramfs.cpio.gz`.
+    /// `<data dir>/images/default/initramfs.cpio.lz4`.
     pub image: PathBuf,
     /// Directory of named kernels (`kernel: "NAME"` → `<kernels_dir>/NAME`). Default: none.
     pub kernels_dir: Option<PathBuf>,
