@@ -24,7 +24,9 @@
 //! kernel entry and runs early by however long the kernel ran before its clock started: 60-130
 //! ms in the nested test host (the guest's "kvm-clock: using sched offset" line gives the clock's
 //! start in ns since the VM was created; see `benches/results/README.md`), so that much of
-//! `kernel_entry → guest_init` is booked to `guest_init → agent_ready`. The estimate is clamped
+//! `kernel_entry → guest_init` is booked to `guest_init → agent_ready`. When the test host
+//! stalls early in the guest's boot the error grows: 0.45 s in one profiled boot (part 5 of that
+//! README). Compare `kernel_entry → agent_ready` when the split matters. The estimate is clamped
 //! to `[kernel_entry, agent_ready]`, the interval in which the agent's start certainly lies.
 
 use std::path::Path;
