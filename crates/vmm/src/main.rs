@@ -41,7 +41,8 @@ struct Args {
     /// Guest kernel: ELF vmlinux or bzImage.
     #[arg(long, value_name = "PATH", required_unless_present = "config")]
     kernel: Option<PathBuf>,
-    /// Initramfs (cpio, optionally gzip-compressed).
+    /// Initramfs: a cpio archive, uncompressed or compressed in a format the guest kernel unpacks
+    /// (the default guest kernel: LZ4, gzip).
     #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
     /// Kernel command line (default: console=ttyS0 reboot=k panic=1 ...).
