@@ -234,10 +234,24 @@ fn host_info() -> HostInfo {
 
 /// Fails early, before any VM boots, when an output file cannot be created (it is created
 /// empty now and written after the runs).
+/// Checks before any run that `path` can be written, without changing it: an existing file is
+/// opened for writing but not truncated, a missing one is created and removed again. The
+/// results replace the file only at the end, so a refused or interrupted bench loses nothing.
 fn check_writable(path: &std::path::Path) -> Result<(), String> {
-    std::fs::File::create(path)
-        .map(drop)
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+    use std::fs::OpenOptions;
+    let fail = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
+    match OpenOptions::new().write(true).open(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .map_err(fail)?;
+            std::fs::remove_file(path).map_err(fail)
+        }
+        Err(e) => Err(fail(e)),
+    }
 }
 
 /// The directories of the absolute `--json` and `--plot` files, once each and without `/`: the
@@ -262,6 +276,32 @@ fn output_dirs(args: &BenchArgs) -> Vec<PathBuf> {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn checking_an_output_file_leaves_it_as_it_was() {
+        // Arrange: one existing results file, one that does not exist yet.
+        let dir = tempfile::tempdir().unwrap();
+        let existing = dir.path().join("old.json");
+        std::fs::write(&existing, "{\"precious\":1}").unwrap();
+        let missing = dir.path().join("new.svg");
+
+        // Act
+        let checked = [check_writable(&existing), check_writable(&missing)];
+        let in_missing_dir = check_writable(&dir.path().join("no/such/dir/b.json"));
+
+        // Assert
+        assert_eq!(checked, [Ok(()), Ok(())]);
+        assert_eq!(
+            std::fs::read_to_string(&existing).unwrap(),
+            "{\"precious\":1}"
+        );
+        assert!(!missing.exists(), "the probe file is removed again");
+        let err = in_missing_dir.unwrap_err();
+        assert!(
+            err.starts_with("cannot write ") && err.contains("b.json"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn the_test_host_shares_the_directories_of_absolute_output_files_once() {
