@@ -46,7 +46,7 @@ pub struct CreateArgs {
     #[arg(long, value_name = "MIB", default_value_t = 256)]
     memory: u32,
     /// Host CPU quota as a fraction of one CPU (e.g. 0.5).
-    #[arg(long, value_name = "FRACTION")]
+    #[arg(long, value_name = "FRACTION", value_parser = cpu_fraction)]
     cpu_quota: Option<f64>,
     /// Most host tasks (threads) of the VMM process.
     #[arg(long, value_name = "N")]
@@ -129,6 +129,17 @@ pub struct ExecArgs {
 }
 
 /// `exec --timeout`: seconds as `bulkhead run --timeout` takes them (at least 0.001).
+/// A finite, positive fraction of one CPU. `nan` and `inf` parse as `f64` but have no JSON
+/// form (they would reach the daemon as `null`, no quota at all); the daemon checks the range.
+fn cpu_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(q) if q.is_finite() && q > 0.0 => Ok(q),
+        _ => Err(format!(
+            "'{s}' is not a positive fraction of one CPU (e.g. 0.5)"
+        )),
+    }
+}
+
 fn timeout_secs(s: &str) -> Result<f64, String> {
     crate::run::parse_positive_seconds(s).map(|d| d.as_secs_f64())
 }
@@ -448,6 +459,29 @@ mod tests {
         let matches =
             command.try_get_matches_from(std::iter::once("create").chain(args.iter().copied()))?;
         CreateArgs::from_arg_matches(&matches)
+    }
+
+    #[test]
+    fn a_cpu_quota_must_be_a_finite_positive_number() {
+        // Arrange
+        let refused = ["nan", "inf", "-inf", "0", "-1", "half"];
+
+        // Act
+        let half = parse_create(&["--cpu-quota", "0.5"]).unwrap();
+        let errors: Vec<_> = refused
+            .iter()
+            .map(|v| {
+                parse_create(&[&format!("--cpu-quota={v}")])
+                    .unwrap_err()
+                    .kind()
+            })
+            .collect();
+
+        // Assert
+        assert_eq!(half.cpu_quota, Some(0.5));
+        assert!(errors
+            .iter()
+            .all(|k| *k == clap::error::ErrorKind::ValueValidation));
     }
 
     #[test]
