@@ -247,6 +247,7 @@ impl Config {
             Some(path) => Config::from_file(path)?,
             None => Config::default(),
         };
+        check_override_files(overrides)?;
         config.apply(overrides);
         config.validate()?;
         Ok(config)
@@ -339,6 +340,27 @@ impl Config {
     }
 }
 
+/// Files named on the command line (`--kernel`, `--image`, `--vmm`) must exist: a daemon
+/// started with a typo would otherwise come up and fail every `create` that uses the default.
+/// Defaults and config-file values are left to `create`, so the daemon can start before
+/// `scripts/setup.sh` has installed them.
+fn check_override_files(o: &Overrides) -> Result<(), ConfigError> {
+    let named = [
+        ("--kernel", &o.kernel),
+        ("--image", &o.image),
+        ("--vmm", &o.vmm),
+    ];
+    for (flag, path) in named {
+        if let Some(path) = path.as_ref().filter(|p| !p.is_file()) {
+            return Err(ConfigError::Invalid(format!(
+                "{flag} {}: no such file",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,6 +388,33 @@ mod tests {
         assert_eq!(config.socket_mode, 0o600);
         assert_eq!(config.on_shutdown, ShutdownPolicy::Leave);
         assert_eq!(config.vm_runtime_root(), PathBuf::from("/vms"));
+    }
+
+    #[test]
+    fn a_file_named_on_the_command_line_must_exist() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, b"kernel").unwrap();
+        let existing = Overrides {
+            kernel: Some(kernel),
+            ..Overrides::default()
+        };
+        let typo = Overrides {
+            image: Some(dir.path().join("initramfs.cpio.lz")),
+            ..Overrides::default()
+        };
+
+        // Act
+        let loaded = Config::load(None, &existing);
+        let refused = Config::load(None, &typo).unwrap_err().to_string();
+
+        // Assert
+        assert!(loaded.is_ok(), "{loaded:?}");
+        assert!(
+            refused.contains("--image") && refused.contains("initramfs.cpio.lz: no such file"),
+            "{refused}"
+        );
     }
 
     #[test]
