@@ -118,7 +118,8 @@ impl FromStr for Mount {
             (None, None) => (s, false),
         };
         let (host, guest) = rest.rsplit_once(':').ok_or_else(syntax)?;
-        if host.is_empty() || guest.is_empty() {
+        // A guest path of `ro`/`rw` is a mode given twice (`H:G:ro:ro`), not a path.
+        if host.is_empty() || guest.is_empty() || guest == "ro" || guest == "rw" {
             return Err(syntax());
         }
         Ok(Mount {
@@ -303,7 +304,15 @@ pub(crate) mod tests {
     #[test]
     fn malformed_mount_flags_are_refused() {
         // Arrange
-        let bad = ["/src", ":/work", "/src:", "/src:ro", ""];
+        let bad = [
+            "/src",
+            ":/work",
+            "/src:",
+            "/src:ro",
+            "",
+            "/d:/x:ro:ro",
+            "/d:/x:rw:ro",
+        ];
 
         // Act
         let results: Vec<_> = bad.iter().map(|s| s.parse::<Mount>()).collect();
