@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the bulkhead guest kernel (or reuse a cached build) and install it for the current user.
 #
-# Usage: scripts/build-kernel.sh [--arch x86_64|aarch64] [--print-dir]
+# Usage: scripts/build-kernel.sh [--arch x86_64|aarch64] [--fragment FILE] [--no-install] [--print-dir]
 #
 # Recipe: Debian's linux-source-6.1 tarball -> `make tinyconfig` -> merge kernel-config/<arch>.config
 # -> `make olddefconfig` -> check every option of the fragment survived -> build the boot image.
@@ -35,14 +35,17 @@ die() {
 
 usage() {
     cat <<'EOF'
-Usage: build-kernel.sh [--arch x86_64|aarch64] [--print-dir]
+Usage: build-kernel.sh [--arch x86_64|aarch64] [--fragment FILE] [--no-install] [--print-dir]
 
 Builds the bulkhead guest kernel from Debian's linux-source-6.1 and kernel-config/<arch>.config,
 caches it under ${XDG_CACHE_HOME:-~/.cache}/bulkhead/kernel/ and installs vmlinux and the boot
 image into ${XDG_DATA_HOME:-~/.local/share}/bulkhead/kernel/<arch>/.
 
   --arch ARCH    x86_64 (default: bzImage) or aarch64 (Image; cross-built on other hosts)
-  --print-dir    print only the install directory on stdout
+  --fragment F   merge config fragment F instead of kernel-config/<arch>.config (it is part of
+                 the cache key); used for other guests, e.g. benches/reference-guest.config
+  --no-install   build (or find) the cache entry only; the paths printed are the cache's
+  --print-dir    print only the install directory (with --no-install: the cache entry) on stdout
   -h, --help     show this help
 EOF
 }
@@ -51,6 +54,8 @@ EOF
 
 ARCH="x86_64"
 PRINT_DIR=0
+FRAGMENT_ARG=""
+INSTALL=1
 
 parse_args() {
     while (($# > 0)); do
@@ -62,6 +67,19 @@ parse_args() {
             ;;
         --arch=*)
             ARCH="${1#--arch=}"
+            shift
+            ;;
+        --fragment)
+            (($# >= 2)) || die "--fragment needs a file"
+            FRAGMENT_ARG="$2"
+            shift 2
+            ;;
+        --fragment=*)
+            FRAGMENT_ARG="${1#--fragment=}"
+            shift
+            ;;
+        --no-install)
+            INSTALL=0
             shift
             ;;
         --print-dir)
@@ -107,7 +125,7 @@ set_arch_vars() {
         ;;
     *) die "unsupported --arch '$ARCH' (use x86_64 or aarch64)" ;;
     esac
-    FRAGMENT="$CONFIG_DIR/$ARCH.config"
+    FRAGMENT="${FRAGMENT_ARG:-$CONFIG_DIR/$ARCH.config}"
     [[ -f "$FRAGMENT" ]] || die "config fragment not found: $FRAGMENT"
 }
 
@@ -334,7 +352,12 @@ main() {
     if ! entry_complete; then
         build_locked
     fi
-    install_for_user
+    if ((INSTALL)); then
+        install_for_user
+    else
+        # Nothing installed: the paths printed are the cache entry's.
+        DATA_DIR="$ENTRY"
+    fi
     print_result
 }
 

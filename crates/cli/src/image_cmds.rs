@@ -88,7 +88,7 @@ struct RmArgs {
     name: String,
 }
 
-/// Runs `bulkhead image ...`.
+/// Runs `bulkhead image ...`; errors exit with 125, as everywhere in the CLI.
 pub fn image(args: ImageArgs) -> ExitCode {
     let store = store();
     let result = match args.command {
@@ -100,7 +100,7 @@ pub fn image(args: ImageArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("bulkhead: error: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(crate::EXIT_BULKHEAD_ERROR)
         }
     }
 }

@@ -67,7 +67,9 @@ pub struct RunArgs {
     /// User to run as in the guest (name, uid or uid:gid).
     #[arg(long, short = 'u')]
     user: Option<String>,
-    /// Keep the guest's serial console in this file (off by default).
+    /// Keep the guest's serial console in this file (off by default). The default command line
+    /// has `quiet`, so a good boot writes little or nothing; add `--kernel-arg loglevel=7` for
+    /// the whole boot log.
     #[arg(long, value_name = "FILE")]
     console: Option<PathBuf>,
     /// Extra guest kernel command-line parameter, appended to the defaults (repeatable), e.g.
