@@ -128,9 +128,9 @@ pub struct ExecArgs {
     command: Vec<String>,
 }
 
-/// `exec --timeout`: seconds as `bulkhead run --timeout` takes them (at least 0.001).
-/// A finite, positive fraction of one CPU. `nan` and `inf` parse as `f64` but have no JSON
-/// form (they would reach the daemon as `null`, no quota at all); the daemon checks the range.
+/// `create --cpu-quota`: a finite, positive fraction of one CPU. `nan` and `inf` parse as `f64`
+/// but have no JSON form (they would reach the daemon as `null`, no quota at all); the daemon
+/// checks the range.
 fn cpu_fraction(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(q) if q.is_finite() && q > 0.0 => Ok(q),
@@ -140,6 +140,7 @@ fn cpu_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+/// `exec --timeout`: seconds as `bulkhead run --timeout` takes them (at least 0.001).
 fn timeout_secs(s: &str) -> Result<f64, String> {
     crate::run::parse_positive_seconds(s).map(|d| d.as_secs_f64())
 }

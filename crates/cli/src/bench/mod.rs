@@ -232,11 +232,10 @@ fn host_info() -> HostInfo {
     }
 }
 
-/// Fails early, before any VM boots, when an output file cannot be created (it is created
-/// empty now and written after the runs).
-/// Checks before any run that `path` can be written, without changing it: an existing file is
-/// opened for writing but not truncated, a missing one is created and removed again. The
-/// results replace the file only at the end, so a refused or interrupted bench loses nothing.
+/// Fails early, before any VM boots, when an output file cannot be written, and leaves it as
+/// it is: an existing file is opened for writing but not truncated, a missing one is created
+/// and removed again. The results replace the file only at the end, so a refused or
+/// interrupted bench loses nothing.
 fn check_writable(path: &std::path::Path) -> Result<(), String> {
     use std::fs::OpenOptions;
     let fail = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
