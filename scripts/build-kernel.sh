@@ -338,9 +338,13 @@ print_result() {
         printf '%s\n' "$DATA_DIR"
         return
     fi
-    printf 'vmlinux=%s\n%s=%s\nconfig=%s\nsource=%s\ncache=%s\n' \
-        "$DATA_DIR/vmlinux" "$IMAGE_NAME" "$DATA_DIR/$IMAGE_NAME" "$DATA_DIR/config" \
-        "$DATA_DIR/SOURCE" "$ENTRY"
+    printf 'vmlinux=%s\n%s=%s\nconfig=%s\n' \
+        "$DATA_DIR/vmlinux" "$IMAGE_NAME" "$DATA_DIR/$IMAGE_NAME" "$DATA_DIR/config"
+    # SOURCE is written only when installing; a cache entry has none.
+    if ((INSTALL)); then
+        printf 'source=%s\n' "$DATA_DIR/SOURCE"
+    fi
+    printf 'cache=%s\n' "$ENTRY"
 }
 
 main() {
