@@ -127,6 +127,7 @@ set_arch_vars() {
     esac
     FRAGMENT="${FRAGMENT_ARG:-$CONFIG_DIR/$ARCH.config}"
     [[ -f "$FRAGMENT" ]] || die "config fragment not found: $FRAGMENT"
+    FRAGMENT="$(realpath "$FRAGMENT")" # the merge runs in the source tree, not here
 }
 
 # --- Build dependencies ---------------------------------------------------------------------
