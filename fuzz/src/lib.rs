@@ -1,6 +1,7 @@
 //! Fuzz harnesses for bulkhead's guest-facing parsers (cargo-fuzz / libFuzzer).
 //!
-//! Everything a guest controls reaches the host through five doors, one target each:
+//! Everything a guest controls reaches the host through five doors, one target each, and one
+//! target covers the guest agent's first parser (the host-written boot parameters):
 //!
 //! | target | door | harness |
 //! |---|---|---|
@@ -9,6 +10,7 @@
 //! | `virtio_mmio` | register reads and writes on the virtio-mmio transport, with a device behind it | [`targets::mmio`] |
 //! | `virtio_fs` | FUSE requests on the virtio-fs request queues, served from a temporary share | [`targets::fs`] |
 //! | `agent_frames` | what the host reads from the guest agent: framing, message decoding, the client's sequences | [`targets::agent`] |
+//! | `boot_params` | the kernel command line the agent parses at boot: the codec's round trip | [`targets::boot`] |
 //!
 //! Each harness drives the real device code the way the VMM does: the device is activated with
 //! queues the guest side laid out with virtio-queue's mock driver ([`queue::Driver`]), and a real

@@ -8,10 +8,7 @@ use std::os::fd::AsRawFd;
 
 use crate::log;
 
-/// Kernel command-line key that names the guest (`bulkhead.hostname=NAME`).
-pub const HOSTNAME_KEY: &str = "bulkhead.hostname";
-
-/// Hostname when the command line gives none (or an invalid one).
+/// Hostname when the boot parameters give none (`bulkhead.hostname=`).
 pub const DEFAULT_HOSTNAME: &str = "bulkhead";
 
 /// `PATH` of the agent itself.
@@ -56,7 +53,7 @@ const DEV_LINKS: [(&str, &str); 4] = [
 ];
 
 /// Mounts the pseudo-filesystems, points fds 0–2 at `/dev/console`, switches logging to the
-/// console, sets `PATH` and the hostname. Call first thing in `main`, before any thread.
+/// console and sets `PATH`. Call first thing in `main`, before any thread.
 pub fn setup() {
     for spec in MOUNTS {
         mount(spec);
@@ -67,8 +64,12 @@ pub fn setup() {
     console_on_std_fds();
     log::use_console();
     std::env::set_var("PATH", AGENT_PATH);
-    let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    let name = hostname_from_cmdline(&cmdline);
+}
+
+/// Sets the guest's hostname to `name` (the boot parameter's, already validated), or
+/// [`DEFAULT_HOSTNAME`]; a failure is logged.
+pub fn hostname(name: Option<&str>) {
+    let name = name.unwrap_or(DEFAULT_HOSTNAME);
     if let Err(e) = set_hostname(name) {
         log!("sethostname {name}: {e}");
     }
@@ -119,23 +120,6 @@ fn console_on_std_fds() {
     }
 }
 
-/// The value of `bulkhead.hostname=` on `cmdline` if it is a valid hostname (1–64 of
-/// `[A-Za-z0-9.-]`), else [`DEFAULT_HOSTNAME`].
-pub fn hostname_from_cmdline(cmdline: &str) -> &str {
-    cmdline
-        .split_whitespace()
-        .filter_map(|param| param.split_once('='))
-        .filter(|(key, _)| *key == HOSTNAME_KEY)
-        .map(|(_, value)| value)
-        .next_back()
-        .filter(|v| {
-            (1..=64).contains(&v.len())
-                && v.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
-        })
-        .unwrap_or(DEFAULT_HOSTNAME)
-}
-
 fn set_hostname(name: &str) -> io::Result<()> {
     // SAFETY: `name` points to `name.len()` readable bytes for the duration of the call.
     if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } != 0 {
@@ -177,34 +161,4 @@ pub fn reboot() -> ! {
     };
     log!("reboot failed ({rc}): {}", io::Error::last_os_error());
     std::process::exit(1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hostname_comes_from_the_command_line() {
-        // Arrange
-        let cmdline = "console=ttyS0 bulkhead.hostname=sandbox-7 quiet\n";
-
-        // Act
-        let name = hostname_from_cmdline(cmdline);
-
-        // Assert
-        assert_eq!(name, "sandbox-7");
-    }
-
-    #[test]
-    fn missing_or_invalid_hostname_falls_back_to_the_default() {
-        // Arrange
-        let missing = "console=ttyS0 quiet";
-        let invalid = "bulkhead.hostname=bad/name";
-        let empty = "bulkhead.hostname=";
-
-        // Act / Assert
-        assert_eq!(hostname_from_cmdline(missing), DEFAULT_HOSTNAME);
-        assert_eq!(hostname_from_cmdline(invalid), DEFAULT_HOSTNAME);
-        assert_eq!(hostname_from_cmdline(empty), DEFAULT_HOSTNAME);
-    }
 }

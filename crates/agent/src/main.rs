@@ -19,6 +19,7 @@ use std::process::ExitCode;
 
 use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
 use bulkhead_agent::{clock, init, log, mounts, reaper, rootfs, vsock, workspace};
+use bulkhead_protocol::boot::BootParams;
 use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
 
 const USAGE: &str =
@@ -82,26 +83,29 @@ fn ready_message(init_started: BootTimestamps) -> Ready {
     }
 }
 
+/// Logs `what: error` to the console and the debug port (the VMM's log) and reboots: the
+/// sandbox must not start without what the host asked for.
+fn fatal(what: &str, error: &dyn std::fmt::Display) -> ! {
+    log!("{what}: {error}; rebooting");
+    init::debug_port_write(format!("bulkhead-agent: {what}: {error}\n").as_bytes());
+    init::reboot();
+}
+
 fn run_pid1(started: BootTimestamps) -> ! {
     init::setup();
-    if let Err(e) = rootfs::enter_from_cmdline() {
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    let params = BootParams::parse(&cmdline).unwrap_or_else(|e| fatal("boot parameters", &e));
+    init::hostname(params.hostname.as_deref());
+    if let Some(root) = &params.root {
         // No root, no sandbox: end the VM before announcing readiness (see `rootfs`).
-        log!("root filesystem: {e}; rebooting");
-        init::debug_port_write(format!("bulkhead-agent: root filesystem: {e}\n").as_bytes());
-        init::reboot();
+        rootfs::enter(root).unwrap_or_else(|e| fatal("root filesystem", &e));
     }
-    if let Err(e) = workspace::mount_from_cmdline() {
+    if let Some(clone) = workspace::CloneSpec::of(&params) {
         // The clone workspace is the sandbox's view of the project: no command runs without it.
-        log!("workspace: {e}; rebooting");
-        init::debug_port_write(format!("bulkhead-agent: workspace: {e}\n").as_bytes());
-        init::reboot();
+        workspace::mount(&clone).unwrap_or_else(|e| fatal("workspace", &e));
     }
-    if let Err(e) = mounts::mount_from_cmdline() {
-        // A command must never run without the directory it was promised (see `mounts`).
-        log!("shared directory: {e}; rebooting");
-        init::debug_port_write(format!("bulkhead-agent: shared directory: {e}\n").as_bytes());
-        init::reboot();
-    }
+    // A command must never run without the directory it was promised (see `mounts`).
+    mounts::mount_all(&params.mounts).unwrap_or_else(|e| fatal("shared directory", &e));
     if let Err(e) = reaper::start(true) {
         log!("{e}; rebooting");
         init::reboot();

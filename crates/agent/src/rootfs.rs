@@ -2,14 +2,13 @@
 //! the agent, still running from the initramfs, builds an overlay root and moves itself into
 //! it before serving anything.
 //!
-//! Command-line contract (the host's side is `bulkhead-sandbox`):
+//! The boot parameters ([`bulkhead_protocol::boot`], the host's side is `bulkhead-sandbox`):
 //! - `bulkhead.root=/dev/vdX`: an ext4 block device, mounted read-only as the lower layer.
 //!   Every sandbox on an image shares the same file, so it is never written.
 //! - `bulkhead.overlay=tmpfs` (the default when `bulkhead.root` is given) or
 //!   `bulkhead.overlay=/dev/vdY`: where the writable upper layer lives; a device must hold
 //!   an ext4 file system (the host formats the per-sandbox scratch disk).
-//! - Without `bulkhead.root` nothing here happens (`bulkhead.overlay` alone is ignored) and
-//!   the initramfs stays the root, exactly as before.
+//! - Without `bulkhead.root` nothing here happens and the initramfs stays the root.
 //!
 //! Layout, in the initramfs: `/.bulkhead/lower` (the image, `ro`), `/.bulkhead/rw` (tmpfs or
 //! the scratch disk, holding `upper/` and `work/`) and `/.bulkhead/root`, the overlayfs merged
@@ -32,14 +31,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// Kernel command-line key naming the read-only root device.
-pub const ROOT_KEY: &str = "bulkhead.root";
-
-/// Kernel command-line key naming the writable layer (`tmpfs` or a device).
-pub const OVERLAY_KEY: &str = "bulkhead.overlay";
-
-/// `bulkhead.overlay` value for a RAM-backed writable layer.
-pub const OVERLAY_TMPFS: &str = "tmpfs";
+use bulkhead_protocol::boot::{Overlay, RootParam};
 
 /// Directory in the initramfs under which the layers are mounted.
 pub const STAGING_DIR: &str = "/.bulkhead";
@@ -65,16 +57,6 @@ pub const MOVED_MOUNTS: [&str; 5] = ["/proc", "/sys", "/dev", "/tmp", "/run"];
 /// Errors preparing or entering the image root.
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {
-    /// A command-line value is invalid.
-    #[error("{key}={value:?}: {reason}")]
-    Param {
-        /// The key.
-        key: &'static str,
-        /// Its value.
-        value: String,
-        /// What is wrong.
-        reason: &'static str,
-    },
     /// A block device did not appear.
     #[error("{device}: no such block device after {} ms (is the disk attached?)", DEVICE_WAIT.as_millis())]
     DeviceMissing {
@@ -111,24 +93,6 @@ pub enum RootfsError {
     },
 }
 
-/// Where the writable layer lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Upper {
-    /// A tmpfs in guest RAM.
-    Tmpfs,
-    /// An ext4 block device (the per-sandbox scratch disk).
-    Device(String),
-}
-
-/// What the command line asks for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RootSpec {
-    /// The read-only ext4 root device, e.g. `/dev/vda`.
-    pub root: String,
-    /// The writable layer.
-    pub upper: Upper,
-}
-
 /// One step of building the new root.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
@@ -156,73 +120,9 @@ pub enum Step {
     },
 }
 
-/// The last value of `key=` on `cmdline`, if any.
-fn param<'a>(cmdline: &'a str, key: &str) -> Option<&'a str> {
-    cmdline
-        .split_whitespace()
-        .filter_map(|p| p.split_once('='))
-        .filter(|(k, _)| *k == key)
-        .map(|(_, v)| v)
-        .next_back()
-}
-
-/// A device path the agent accepts: `/dev/` followed by `[A-Za-z0-9._-]` names separated by
-/// single slashes, no `.` or `..` components.
-fn is_device_path(value: &str) -> bool {
-    let Some(rest) = value.strip_prefix("/dev/") else {
-        return false;
-    };
-    !rest.is_empty()
-        && rest.split('/').all(|c| {
-            !c.is_empty()
-                && c != "."
-                && c != ".."
-                && c.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-        })
-}
-
-/// Reads `bulkhead.root` and `bulkhead.overlay` from `cmdline` (the last occurrence of each
-/// wins). `Ok(None)` when there is no `bulkhead.root`.
-pub fn parse_cmdline(cmdline: &str) -> Result<Option<RootSpec>, RootfsError> {
-    let Some(root) = param(cmdline, ROOT_KEY) else {
-        return Ok(None);
-    };
-    let bad = |key, value: &str, reason| RootfsError::Param {
-        key,
-        value: value.to_owned(),
-        reason,
-    };
-    if !is_device_path(root) {
-        return Err(bad(
-            ROOT_KEY,
-            root,
-            "expected a device path such as /dev/vda",
-        ));
-    }
-    let upper = match param(cmdline, OVERLAY_KEY) {
-        None | Some(OVERLAY_TMPFS) => Upper::Tmpfs,
-        Some(dev) if dev == root => {
-            return Err(bad(OVERLAY_KEY, dev, "must differ from bulkhead.root"))
-        }
-        Some(dev) if is_device_path(dev) => Upper::Device(dev.to_owned()),
-        Some(other) => {
-            return Err(bad(
-                OVERLAY_KEY,
-                other,
-                "expected tmpfs or a device path such as /dev/vdb",
-            ))
-        }
-    };
-    Ok(Some(RootSpec {
-        root: root.to_owned(),
-        upper,
-    }))
-}
-
 /// The steps that build the merged root for `spec` under `staging` (normally
 /// [`STAGING_DIR`]) and move the pseudo-filesystems into it. Pure: nothing is touched.
-pub fn mount_plan(spec: &RootSpec, staging: &Path) -> Vec<Step> {
+pub fn mount_plan(spec: &RootParam, staging: &Path) -> Vec<Step> {
     let lower = staging.join("lower");
     let rw = staging.join("rw");
     let merged = staging.join("root");
@@ -231,21 +131,21 @@ pub fn mount_plan(spec: &RootSpec, staging: &Path) -> Vec<Step> {
         Step::Mkdir(rw.clone()),
         Step::Mkdir(merged.clone()),
         Step::Mount {
-            source: spec.root.clone(),
+            source: spec.device.clone(),
             target: lower.clone(),
             fstype: DISK_FSTYPE,
             flags: libc::MS_RDONLY,
             data: String::new(),
         },
-        match &spec.upper {
-            Upper::Tmpfs => Step::Mount {
+        match &spec.overlay {
+            Overlay::Tmpfs => Step::Mount {
                 source: "tmpfs".to_owned(),
                 target: rw.clone(),
                 fstype: "tmpfs",
                 flags: 0,
                 data: "mode=0755".to_owned(),
             },
-            Upper::Device(dev) => Step::Mount {
+            Overlay::Device(dev) => Step::Mount {
                 source: dev.clone(),
                 target: rw.clone(),
                 fstype: DISK_FSTYPE,
@@ -280,22 +180,20 @@ pub fn mount_plan(spec: &RootSpec, staging: &Path) -> Vec<Step> {
 }
 
 /// The block devices `spec` needs.
-fn devices(spec: &RootSpec) -> Vec<&str> {
-    let mut devices = vec![spec.root.as_str()];
-    if let Upper::Device(dev) = &spec.upper {
+fn devices(spec: &RootParam) -> Vec<&str> {
+    let mut devices = vec![spec.device.as_str()];
+    if let Overlay::Device(dev) = &spec.overlay {
         devices.push(dev);
     }
     devices
 }
 
-/// Reads `/proc/cmdline` and, when it asks for an image root, builds the overlay root and
-/// switches the agent into it. Returns whether the root was switched. Call as PID 1 after
-/// `init::setup` and before starting any thread.
-pub fn enter_from_cmdline() -> Result<bool, RootfsError> {
-    let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    let Some(spec) = parse_cmdline(&cmdline)? else {
-        return Ok(false);
-    };
+/// Builds the overlay root that the boot parameter `spec` asks for and switches the agent into
+/// it. Call as PID 1 after `init::setup` and before starting any thread.
+///
+/// # Errors
+/// The first failed step; the agent then reboots (no sandbox without its root).
+pub fn enter(spec: &RootParam) -> Result<(), RootfsError> {
     for device in devices(&spec) {
         wait_for_device(device, DEVICE_WAIT)?;
     }
@@ -305,8 +203,7 @@ pub fn enter_from_cmdline() -> Result<bool, RootfsError> {
     }
     // Freeing the initramfs is best effort: a leftover file costs memory, not correctness.
     let _ = remove_same_device_contents(Path::new("/"));
-    switch_root(&staging.join("root"))?;
-    Ok(true)
+    switch_root(&staging.join("root"))
 }
 
 fn wait_for_device(device: &str, timeout: Duration) -> Result<(), RootfsError> {
@@ -445,70 +342,10 @@ fn remove_below(dir: &Path, dev: u64) -> io::Result<()> {
 mod tests {
     use super::*;
 
-    fn spec(upper: Upper) -> RootSpec {
-        RootSpec {
-            root: "/dev/vda".into(),
-            upper,
-        }
-    }
-
-    #[test]
-    fn no_root_parameter_means_no_image_root() {
-        // Arrange
-        let cmdline = "console=ttyS0 bulkhead.overlay=/dev/vdb quiet";
-
-        // Act
-        let parsed = parse_cmdline(cmdline).unwrap();
-
-        // Assert
-        assert_eq!(parsed, None);
-    }
-
-    #[test]
-    fn root_alone_gets_a_tmpfs_overlay() {
-        // Arrange
-        let cmdline = "console=ttyS0 bulkhead.root=/dev/vda reboot=k\n";
-
-        // Act
-        let parsed = parse_cmdline(cmdline).unwrap();
-
-        // Assert
-        assert_eq!(parsed, Some(spec(Upper::Tmpfs)));
-    }
-
-    #[test]
-    fn overlay_device_and_last_occurrence_win() {
-        // Arrange
-        let cmdline = "bulkhead.root=/dev/vdc bulkhead.root=/dev/vda bulkhead.overlay=/dev/vdb";
-
-        // Act
-        let parsed = parse_cmdline(cmdline).unwrap();
-
-        // Assert
-        assert_eq!(parsed, Some(spec(Upper::Device("/dev/vdb".into()))));
-    }
-
-    #[test]
-    fn invalid_values_are_errors_naming_the_parameter() {
-        // Arrange
-        let cases = [
-            ("bulkhead.root=vda", ROOT_KEY),
-            ("bulkhead.root=/dev/../etc/shadow", ROOT_KEY),
-            ("bulkhead.root=/dev/", ROOT_KEY),
-            ("bulkhead.root=/dev/vda bulkhead.overlay=ramfs", OVERLAY_KEY),
-            (
-                "bulkhead.root=/dev/vda bulkhead.overlay=/dev/vda",
-                OVERLAY_KEY,
-            ),
-        ];
-
-        // Act / Assert
-        for (cmdline, key) in cases {
-            let err = parse_cmdline(cmdline).unwrap_err();
-            assert!(
-                matches!(&err, RootfsError::Param { key: k, .. } if *k == key),
-                "{cmdline}: {err}"
-            );
+    fn spec(overlay: Overlay) -> RootParam {
+        RootParam {
+            device: "/dev/vda".into(),
+            overlay,
         }
     }
 
@@ -518,7 +355,7 @@ mod tests {
         let staging = Path::new("/.bulkhead");
 
         // Act
-        let plan = mount_plan(&spec(Upper::Tmpfs), staging);
+        let plan = mount_plan(&spec(Overlay::Tmpfs), staging);
 
         // Assert
         let mounts: Vec<(&str, &str, libc::c_ulong)> = plan
@@ -558,7 +395,7 @@ mod tests {
         let staging = Path::new("/.bulkhead");
 
         // Act
-        let plan = mount_plan(&spec(Upper::Device("/dev/vdb".into())), staging);
+        let plan = mount_plan(&spec(Overlay::Device("/dev/vdb".into())), staging);
 
         // Assert
         assert!(plan.contains(&Step::Mount {
@@ -576,7 +413,7 @@ mod tests {
         let staging = Path::new("/.bulkhead");
 
         // Act
-        let plan = mount_plan(&spec(Upper::Tmpfs), staging);
+        let plan = mount_plan(&spec(Overlay::Tmpfs), staging);
 
         // Assert
         let overlay_at = plan

@@ -2,14 +2,14 @@
 //! an overlay file system whose upper layer is private to the sandbox, and the
 //! `WorkspaceChanges` request that reports what the guest changed in it ([`crate::changes`]).
 //!
-//! Command-line contract (the host side is `bulkhead-sandbox`'s `workspace` module):
+//! The boot parameter (the host side is `bulkhead-sandbox`'s `workspace` module; the codec is
+//! [`bulkhead_protocol::boot`]):
 //!
 //! ```text
 //! bulkhead.workspace=TAG:GUEST_DIR:clone
 //! ```
 //!
-//! `TAG` and the percent-encoded `GUEST_DIR` follow the rules of `bulkhead.mount=`
-//! ([`crate::mounts`]). (A *direct* workspace is a plain read-write `bulkhead.mount=`.) After
+//! (A *direct* workspace is a plain read-write `bulkhead.mount=`.) After
 //! switching into an image root and before the other shares are mounted, the agent:
 //!
 //! 1. mounts the share read-only at `/run/bulkhead/workspace/lower`;
@@ -44,14 +44,8 @@ use bulkhead_protocol::{
 
 use crate::changes::{self, Change};
 use crate::conn::Conn;
-use crate::mounts;
-use crate::rootfs::{self, Step, Upper};
-
-/// Kernel command-line key of the clone workspace.
-pub const WORKSPACE_KEY: &str = "bulkhead.workspace";
-
-/// Suffix of the value selecting clone mode (the only mode the agent sets up itself).
-pub const CLONE_SUFFIX: &str = ":clone";
+use crate::rootfs::{self, Step};
+use bulkhead_protocol::boot::{BootParams, Overlay};
 
 /// Where the layers are mounted while the overlay is built.
 pub const STAGING_DIR: &str = "/run/bulkhead/workspace";
@@ -62,14 +56,6 @@ const LAYER_DIR: &str = "workspace";
 /// Bad parameters and failed mounts.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkspaceError {
-    /// The `bulkhead.workspace=` value is malformed.
-    #[error("bad {WORKSPACE_KEY}={value}: {reason}")]
-    Param {
-        /// The raw value.
-        value: String,
-        /// What is wrong.
-        reason: String,
-    },
     /// Building the overlay failed.
     #[error(transparent)]
     Mount(#[from] rootfs::RootfsError),
@@ -91,44 +77,24 @@ pub struct CloneSpec {
     /// Where the merged workspace appears.
     pub target: PathBuf,
     /// Where the writable layer lives.
-    pub upper: Upper,
+    pub upper: Overlay,
 }
 
-/// Reads the last `bulkhead.workspace=` of `cmdline`; `Ok(None)` when there is none. The
-/// writable layer goes on the image root's scratch disk when there is one.
-///
-/// # Errors
-/// [`WorkspaceError::Param`] for a malformed value.
-pub fn parse_cmdline(cmdline: &str) -> Result<Option<CloneSpec>, WorkspaceError> {
-    let Some(value) = cmdline
-        .split_whitespace()
-        .filter_map(|p| p.split_once('='))
-        .filter(|(k, _)| *k == WORKSPACE_KEY)
-        .map(|(_, v)| v)
-        .next_back()
-    else {
-        return Ok(None);
-    };
-    let bad = |reason: String| WorkspaceError::Param {
-        value: value.to_owned(),
-        reason,
-    };
-    let share = value
-        .strip_suffix(CLONE_SUFFIX)
-        .ok_or_else(|| bad("expected TAG:DIR:clone".to_owned()))?;
-    let spec = mounts::parse_value(share).map_err(|e| bad(e.to_string()))?;
-    if spec.read_only {
-        return Err(bad("expected TAG:DIR:clone".to_owned()));
+impl CloneSpec {
+    /// The clone workspace of `params`, if any. The writable layer goes on the image root's
+    /// scratch disk when there is one, else on a tmpfs.
+    pub fn of(params: &BootParams) -> Option<CloneSpec> {
+        let share = params.workspace.as_ref()?;
+        let upper = match &params.root {
+            Some(root) => root.overlay.clone(),
+            None => Overlay::Tmpfs,
+        };
+        Some(CloneSpec {
+            tag: share.tag.clone(),
+            target: share.guest_dir.clone(),
+            upper,
+        })
     }
-    let upper = match rootfs::parse_cmdline(cmdline) {
-        Ok(Some(root)) => root.upper,
-        _ => Upper::Tmpfs,
-    };
-    Ok(Some(CloneSpec {
-        tag: spec.tag,
-        target: spec.target,
-        upper,
-    }))
 }
 
 /// The steps that build the workspace overlay for `spec` under `staging`. Pure.
@@ -147,7 +113,7 @@ pub fn mount_plan(spec: &CloneSpec, staging: &Path) -> Vec<Step> {
             data: String::new(),
         },
         match &spec.upper {
-            Upper::Tmpfs => Step::Mount {
+            Overlay::Tmpfs => Step::Mount {
                 source: "tmpfs".to_owned(),
                 target: rw.clone(),
                 fstype: "tmpfs",
@@ -156,7 +122,7 @@ pub fn mount_plan(spec: &CloneSpec, staging: &Path) -> Vec<Step> {
             },
             // The scratch disk is mounted already (the root's writable layer): this is a
             // second mount of the same file system.
-            Upper::Device(dev) => Step::Mount {
+            Overlay::Device(dev) => Step::Mount {
                 source: dev.clone(),
                 target: rw.clone(),
                 fstype: rootfs::DISK_FSTYPE,
@@ -193,18 +159,13 @@ struct Layers {
 
 static LAYERS: OnceLock<Layers> = OnceLock::new();
 
-/// Sets up the clone workspace `/proc/cmdline` asks for. Returns whether there was one. Call as
-/// PID 1 after the root switch.
+/// Sets up the clone workspace `spec`. Call as PID 1 after the root switch.
 ///
 /// # Errors
-/// The first bad parameter or failed mount.
-pub fn mount_from_cmdline() -> Result<bool, WorkspaceError> {
-    let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    let Some(spec) = parse_cmdline(&cmdline)? else {
-        return Ok(false);
-    };
+/// The first failed mount.
+pub fn mount(spec: &CloneSpec) -> Result<(), WorkspaceError> {
     let staging = Path::new(STAGING_DIR);
-    for step in mount_plan(&spec, staging) {
+    for step in mount_plan(spec, staging) {
         rootfs::apply(&step)?;
     }
     let open =
@@ -224,7 +185,7 @@ pub fn mount_from_cmdline() -> Result<bool, WorkspaceError> {
     }
     let _ = fs::remove_dir_all(staging);
     let _ = LAYERS.set(layers);
-    Ok(true)
+    Ok(())
 }
 
 fn detach(path: &Path) {
@@ -360,29 +321,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_clone_workspace_needs_the_clone_suffix_and_a_plain_directory() {
-        // Arrange
-        let bad = [
-            "bulkhead.workspace=workspace:/workspace",
-            "bulkhead.workspace=workspace:/workspace:ro:clone",
-            "bulkhead.workspace=workspace:/a/../b:clone",
-            "bulkhead.workspace=bad/tag:/workspace:clone",
-        ];
-
-        // Act
-        let results: Vec<_> = bad.iter().map(|c| parse_cmdline(c)).collect();
-
-        // Assert
-        assert!(
-            results
-                .iter()
-                .all(|r| matches!(r, Err(WorkspaceError::Param { .. }))),
-            "{results:?}"
-        );
-        assert_eq!(parse_cmdline("console=ttyS0").unwrap(), None);
-    }
-
-    #[test]
     fn the_writable_layer_is_the_scratch_disk_when_the_image_root_has_one() {
         // Arrange
         let with_disk = "bulkhead.root=/dev/vda bulkhead.overlay=/dev/vdb \
@@ -390,8 +328,8 @@ mod tests {
         let without = "bulkhead.workspace=workspace:/workspace:clone";
 
         // Act
-        let on_disk = parse_cmdline(with_disk).unwrap().unwrap();
-        let in_ram = parse_cmdline(without).unwrap().unwrap();
+        let on_disk = CloneSpec::of(&BootParams::parse(with_disk).unwrap()).unwrap();
+        let in_ram = CloneSpec::of(&BootParams::parse(without).unwrap()).unwrap();
 
         // Assert
         assert_eq!(
@@ -399,10 +337,10 @@ mod tests {
             CloneSpec {
                 tag: "workspace".into(),
                 target: "/work space".into(),
-                upper: Upper::Device("/dev/vdb".into()),
+                upper: Overlay::Device("/dev/vdb".into()),
             }
         );
-        assert_eq!(in_ram.upper, Upper::Tmpfs);
+        assert_eq!(in_ram.upper, Overlay::Tmpfs);
     }
 
     #[test]
@@ -411,7 +349,7 @@ mod tests {
         let spec = CloneSpec {
             tag: "workspace".into(),
             target: "/workspace".into(),
-            upper: Upper::Device("/dev/vdb".into()),
+            upper: Overlay::Device("/dev/vdb".into()),
         };
 
         // Act

@@ -23,6 +23,7 @@
 
 #![deny(missing_docs)]
 
+pub mod boot;
 pub mod client;
 pub mod frame;
 pub mod messages;

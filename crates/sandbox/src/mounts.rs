@@ -10,10 +10,9 @@
 //! bulkhead.mount=TAG:GUEST_DIR:ro     read-only
 //! ```
 //!
-//! `GUEST_DIR` is percent-encoded: every byte outside `[A-Za-z0-9/._+,@~-]` is written as `%XX`
-//! (two upper-case hex digits), so a path with spaces, colons or `%` survives the command line,
-//! which the kernel splits at white space. Parameters come parents first (fewer path components
-//! first), so a mount inside another mount's directory is mounted on top of it, not hidden by it.
+//! (encoded by [`bulkhead_protocol::boot`], which percent-encodes `GUEST_DIR`). Parameters come
+//! parents first (fewer path components first), so a mount inside another mount's directory is
+//! mounted on top of it, not hidden by it.
 //!
 //! Read-only is enforced by the VMM's file server (every write-type FUSE request fails with
 //! `EROFS`); the agent also mounts such shares read-only, for early, clear errors. Files the
@@ -25,16 +24,13 @@
 //! error rather than a VM that fails to boot.
 
 use std::collections::HashSet;
-use std::fmt::Write as _;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 use std::str::FromStr;
 
+use bulkhead_protocol::boot::Share;
 use bulkhead_vmm::config::ShareConfig;
-
-/// Kernel command-line key of a mount (`bulkhead.mount=TAG:GUEST_DIR[:ro]`).
-pub const MOUNT_KEY: &str = "bulkhead.mount";
 
 /// Prefix of the virtio-fs tags of mounts (`mount0`, `mount1`, ...).
 pub const TAG_PREFIX: &str = "mount";
@@ -130,13 +126,13 @@ impl FromStr for Mount {
     }
 }
 
-/// What the VMM and the kernel command line get for a list of mounts.
+/// What the VMM and the guest agent get for a list of mounts.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Prepared {
     /// The virtio-fs devices, in mount order.
     pub shares: Vec<ShareConfig>,
-    /// `bulkhead.mount=` parameters, parents first.
-    pub cmdline: Vec<String>,
+    /// The agent's `bulkhead.mount=` boot parameters, parents first.
+    pub params: Vec<Share>,
 }
 
 /// Validates `mounts` and returns them with host paths made absolute (symlinks resolved) and
@@ -165,7 +161,7 @@ pub fn check(mounts: &[Mount]) -> Result<Vec<Mount>, MountError> {
     Ok(checked)
 }
 
-/// Checks `mounts` and builds the VMM's shares and the agent's command-line parameters.
+/// Checks `mounts` and builds the VMM's shares and the agent's boot parameters.
 ///
 /// # Errors
 /// As [`check`].
@@ -183,27 +179,15 @@ pub fn prepare(mounts: &[Mount]) -> Result<Prepared, MountError> {
         .collect();
     let mut order: Vec<usize> = (0..mounts.len()).collect();
     order.sort_by_key(|&i| mounts[i].guest.components().count());
-    let cmdline = order
+    let params = order
         .into_iter()
-        .map(|i| cmdline_param(&format!("{TAG_PREFIX}{i}"), &mounts[i]))
+        .map(|i| Share {
+            tag: format!("{TAG_PREFIX}{i}"),
+            guest_dir: mounts[i].guest.clone(),
+            read_only: mounts[i].read_only,
+        })
         .collect();
-    Ok(Prepared { shares, cmdline })
-}
-
-/// `bulkhead.mount=TAG:ENCODED_GUEST_DIR[:ro]`.
-fn cmdline_param(tag: &str, mount: &Mount) -> String {
-    let mut param = format!("{MOUNT_KEY}={tag}:");
-    for &b in mount.guest.as_os_str().as_encoded_bytes() {
-        if b.is_ascii_alphanumeric() || b"/._+,@~-".contains(&b) {
-            param.push(char::from(b));
-        } else {
-            let _ = write!(param, "%{b:02X}");
-        }
-    }
-    if mount.read_only {
-        param.push_str(":ro");
-    }
-    param
+    Ok(Prepared { shares, params })
 }
 
 /// The guest path, normalised (no `.` components, trailing or doubled `/`), if it is absolute,
@@ -411,7 +395,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn shares_get_one_tag_each_and_the_cmdline_lists_parents_first() {
+    fn shares_get_one_tag_each_and_the_boot_parameters_list_parents_first() {
         // Arrange
         let dir = shareable_dir();
         let mounts = [
@@ -427,25 +411,18 @@ pub(crate) mod tests {
         assert_eq!(tags, ["mount0", "mount1"]);
         assert!(prepared.shares[0].read_only && !prepared.shares[1].read_only);
         assert_eq!(prepared.shares[0].path, dir.path().canonicalize().unwrap());
+        let order: Vec<(&str, &Path, bool)> = prepared
+            .params
+            .iter()
+            .map(|p| (p.tag.as_str(), p.guest_dir.as_path(), p.read_only))
+            .collect();
         assert_eq!(
-            prepared.cmdline,
+            order,
             [
-                "bulkhead.mount=mount1:/work",
-                "bulkhead.mount=mount0:/work/inner%20dir:ro"
+                ("mount1", Path::new("/work"), false),
+                ("mount0", Path::new("/work/inner dir"), true)
             ]
         );
-    }
-
-    #[test]
-    fn colons_and_percent_signs_in_guest_paths_are_encoded() {
-        // Arrange
-        let m = mount(Path::new("/x"), "/a:b%c", false);
-
-        // Act
-        let param = cmdline_param("mount0", &m);
-
-        // Assert
-        assert_eq!(param, "bulkhead.mount=mount0:/a%3Ab%25c");
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::process::Child;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use bulkhead_protocol::boot::{is_bulkhead_param, BootParams};
 use bulkhead_protocol::client::{accept_ready, AgentClient, ClientError, ExecSession};
 use bulkhead_protocol::{ExecRequest, Ready, READY_PORT};
 use bulkhead_vmm::boot::cmdline::DEFAULT_CMDLINE;
@@ -122,6 +123,10 @@ pub enum Error {
     /// The VMM cannot be jailed ([`SandboxConfig::jail`]).
     #[error(transparent)]
     Jail(#[from] JailError),
+    /// A boot parameter for the guest agent is invalid (e.g. [`SandboxConfig::hostname`]), or
+    /// an extra kernel parameter uses the agent's `bulkhead.` keys.
+    #[error("{0}")]
+    BootParams(String),
 }
 
 /// What a sandbox boots and with which resources.
@@ -135,8 +140,12 @@ pub struct SandboxConfig {
     pub vcpus: u8,
     /// Guest RAM, MiB.
     pub memory_mib: u32,
-    /// Extra kernel command-line parameters, appended to the defaults.
+    /// Extra kernel command-line parameters, appended to the defaults. The `bulkhead.` keys
+    /// are the agent's boot parameters, which only this crate writes: such an entry is refused.
     pub extra_cmdline: Vec<String>,
+    /// The guest's hostname (`bulkhead.hostname=`; 1-64 of `[A-Za-z0-9.-]`); the agent's
+    /// default `bulkhead` when `None`.
+    pub hostname: Option<String>,
     /// Guest serial console: off by default; a file to keep it.
     pub console: SerialOutput,
     /// The `bulkhead-vmm` binary.
@@ -174,6 +183,7 @@ impl Default for SandboxConfig {
             vcpus: 1,
             memory_mib: 256,
             extra_cmdline: Vec::new(),
+            hostname: None,
             console: SerialOutput::Off,
             vmm_binary: paths::vmm_binary(),
             runtime_dir: paths::runtime_dir(),
@@ -618,14 +628,23 @@ fn write_vm_config(
     all_mounts.extend(ws.mount.clone());
     let mut shared = mounts::prepare(&all_mounts)?;
     shared.shares.extend(ws.share.clone());
+    let boot = BootParams {
+        hostname: config.hostname.clone(),
+        root: disks.root.clone(),
+        workspace: ws.param.clone(),
+        mounts: shared.params,
+    };
+    let params = boot
+        .to_params()
+        .map_err(|e| Error::BootParams(e.to_string()))?;
+    if let Some(reserved) = config.extra_cmdline.iter().find(|p| is_bulkhead_param(p)) {
+        return Err(Error::BootParams(format!(
+            "extra kernel parameter {reserved:?}: the `bulkhead.` keys are the guest agent's \
+             boot parameters, set from the sandbox's settings"
+        )));
+    }
     let mut cmdline = format!("{DEFAULT_CMDLINE} quiet");
-    for extra in disks
-        .cmdline
-        .iter()
-        .chain(&ws.cmdline)
-        .chain(&shared.cmdline)
-        .chain(&config.extra_cmdline)
-    {
+    for extra in params.iter().chain(&config.extra_cmdline) {
         cmdline.push(' ');
         cmdline.push_str(extra);
     }

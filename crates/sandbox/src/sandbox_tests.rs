@@ -182,10 +182,11 @@ fn a_missing_cgroup_is_a_spawn_error_naming_it() {
 }
 
 #[test]
-fn vm_config_has_vsock_and_quiet_cmdline() {
+fn vm_config_has_vsock_and_quiet_cmdline_with_the_boot_parameters_before_extra_ones() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = config_in(dir.path());
-    config.extra_cmdline = vec!["bulkhead.hostname=x".into()];
+    config.hostname = Some("x".into());
+    config.extra_cmdline = vec!["loglevel=7".into()];
     let path = dir.path().join("vm.json");
 
     write_vm_config(
@@ -201,7 +202,29 @@ fn vm_config_has_vsock_and_quiet_cmdline() {
     assert_eq!(vm.vsock.unwrap().uds_path, PathBuf::from("/run/x/vm.sock"));
     let cmdline = vm.cmdline.unwrap();
     assert!(
-        cmdline.contains("quiet") && cmdline.ends_with("bulkhead.hostname=x"),
+        cmdline.contains("quiet") && cmdline.ends_with("bulkhead.hostname=x loglevel=7"),
         "{cmdline}"
     );
+}
+
+#[test]
+fn an_extra_kernel_parameter_with_a_bulkhead_key_is_refused() {
+    // Arrange
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_in(dir.path());
+    config.extra_cmdline = vec!["bulkhead.root=/dev/vdz".into()];
+
+    // Act
+    let err = write_vm_config(
+        &config,
+        &Prepared::default(),
+        &workspace::Prepared::default(),
+        Path::new("/run/x/vm.sock"),
+        &dir.path().join("vm.json"),
+    )
+    .unwrap_err();
+
+    // Assert
+    assert!(matches!(err, Error::BootParams(_)), "{err}");
+    assert!(err.to_string().contains("bulkhead.root=/dev/vdz"), "{err}");
 }

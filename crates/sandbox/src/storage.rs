@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use bulkhead_image::ext4::{self, InspectError};
+use bulkhead_protocol::boot::{Overlay, RootParam};
 use bulkhead_vmm::config::DiskConfig;
 
 /// File name of the scratch disk in the sandbox's runtime directory.
@@ -132,13 +133,13 @@ pub enum StorageError {
     Mkfs(String),
 }
 
-/// The disks and kernel parameters that [`prepare`] produced.
+/// The disks and boot parameter that [`prepare`] produced.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Prepared {
     /// virtio-blk disks in guest order.
     pub disks: Vec<DiskConfig>,
-    /// Kernel command-line parameters for the guest agent.
-    pub cmdline: Vec<String>,
+    /// The agent's root image and its writable layer (`bulkhead.root=`, `bulkhead.overlay=`).
+    pub root: Option<RootParam>,
 }
 
 /// Checks everything that can be checked before the runtime directory exists: the root image
@@ -284,9 +285,7 @@ pub(crate) fn prepare(storage: &Storage, runtime_dir: &Path) -> Result<Prepared,
             read_only: true,
             id: Some("bulkhead-root".to_owned()),
         });
-        prepared
-            .cmdline
-            .push(format!("bulkhead.root={ROOT_DEVICE}"));
+        let mut overlay = Overlay::Tmpfs;
         if let Some(mib) = storage.scratch_mib {
             let path = runtime_dir.join(SCRATCH_FILE);
             make_scratch(&path, mib)?;
@@ -295,10 +294,12 @@ pub(crate) fn prepare(storage: &Storage, runtime_dir: &Path) -> Result<Prepared,
                 read_only: false,
                 id: Some("bulkhead-scratch".to_owned()),
             });
-            prepared
-                .cmdline
-                .push(format!("bulkhead.overlay={SCRATCH_DEVICE}"));
+            overlay = Overlay::Device(SCRATCH_DEVICE.to_owned());
         }
+        prepared.root = Some(RootParam {
+            device: ROOT_DEVICE.to_owned(),
+            overlay,
+        });
     }
     prepared.disks.extend(storage.data_disks.iter().cloned());
     Ok(prepared)
@@ -503,7 +504,13 @@ mod tests {
         let prepared = prepare(&storage, dir.path()).unwrap();
 
         // Assert
-        assert_eq!(prepared.cmdline, ["bulkhead.root=/dev/vda"]);
+        assert_eq!(
+            prepared.root,
+            Some(RootParam {
+                device: "/dev/vda".into(),
+                overlay: Overlay::Tmpfs
+            })
+        );
         assert_eq!(prepared.disks.len(), 2);
         assert!(prepared.disks[0].read_only);
         assert_eq!(prepared.disks[1], data);

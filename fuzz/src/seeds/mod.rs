@@ -7,6 +7,7 @@
 //! there.
 
 mod agent;
+mod boot;
 mod devices;
 mod fs;
 
@@ -21,5 +22,6 @@ pub fn all() -> Vec<Seed> {
     seeds.extend(devices::mmio());
     seeds.extend(fs::seeds());
     seeds.extend(agent::seeds());
+    seeds.extend(boot::seeds());
     seeds
 }

@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod blk;
+pub mod boot;
 pub mod fs;
 pub mod mmio;
 pub mod vsock;
@@ -10,10 +11,11 @@ pub mod vsock;
 pub type Harness = fn(&[u8]);
 
 /// The targets by name, as `fuzz_targets/` and `fuzz/corpus/` name them, with their harness.
-pub const ALL: [(&str, Harness); 5] = [
+pub const ALL: [(&str, Harness); 6] = [
     ("virtio_blk", blk::run),
     ("vsock", vsock::run),
     ("virtio_mmio", mmio::run),
     ("virtio_fs", fs::run),
     ("agent_frames", agent::run),
+    ("boot_params", boot::run),
 ];

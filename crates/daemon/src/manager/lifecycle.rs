@@ -114,7 +114,8 @@ impl Manager {
             initrd: plan.initrd.clone(),
             vcpus: record.spec.vcpus,
             memory_mib: record.spec.memory_mib,
-            extra_cmdline: vec![format!("bulkhead.hostname=bh-{}", record.id)],
+            extra_cmdline: Vec::new(),
+            hostname: Some(format!("bh-{}", record.id)),
             // The serial console goes to the VMM's stdout, i.e. into vmm.log with its messages.
             console: SerialOutput::Stdout,
             vmm_binary: config.vmm_binary.clone(),

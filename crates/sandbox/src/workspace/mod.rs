@@ -36,6 +36,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use bulkhead_protocol::boot::Share;
 use bulkhead_protocol::client::ClientError;
 use bulkhead_vmm::config::ShareConfig;
 use serde::{Deserialize, Serialize};
@@ -50,10 +51,6 @@ pub const GUEST_DIR: &str = "/workspace";
 
 /// virtio-fs tag of a clone workspace's read-only share.
 pub const WORKSPACE_TAG: &str = "workspace";
-
-/// Kernel command-line key of a clone workspace (`bulkhead.workspace=TAG:DIR:clone`, read by
-/// the guest agent's `workspace` module).
-pub const WORKSPACE_KEY: &str = "bulkhead.workspace";
 
 /// The workspace description in the runtime directory.
 pub const INFO_FILE: &str = "workspace.json";
@@ -216,8 +213,8 @@ pub(crate) struct Prepared {
     pub mount: Option<Mount>,
     /// Clone mode: the read-only share.
     pub share: Option<ShareConfig>,
-    /// Clone mode: the agent's `bulkhead.workspace=` parameter.
-    pub cmdline: Option<String>,
+    /// Clone mode: the agent's `bulkhead.workspace=` boot parameter.
+    pub param: Option<Share>,
     /// What to record in the runtime directory.
     pub info: Option<WorkspaceInfo>,
 }
@@ -288,7 +285,11 @@ pub(crate) fn prepare(
                 read_only: true,
                 owner: None,
             }),
-            cmdline: Some(format!("{WORKSPACE_KEY}={WORKSPACE_TAG}:{GUEST_DIR}:clone")),
+            param: Some(Share {
+                tag: WORKSPACE_TAG.to_owned(),
+                guest_dir: PathBuf::from(GUEST_DIR),
+                read_only: false,
+            }),
             info: Some(info),
             mount: None,
         },
@@ -396,8 +397,12 @@ mod tests {
         assert_eq!(share.tag, WORKSPACE_TAG);
         assert_eq!(share.path, dir.path().canonicalize().unwrap());
         assert_eq!(
-            prepared.cmdline.as_deref(),
-            Some("bulkhead.workspace=workspace:/workspace:clone")
+            prepared.param,
+            Some(Share {
+                tag: "workspace".into(),
+                guest_dir: "/workspace".into(),
+                read_only: false
+            })
         );
         assert!(prepared.mount.is_none());
     }
@@ -423,7 +428,7 @@ mod tests {
         // Assert
         let mount = prepared.mount.unwrap();
         assert!(!mount.read_only && mount.guest == Path::new(GUEST_DIR));
-        assert!(prepared.share.is_none() && prepared.cmdline.is_none());
+        assert!(prepared.share.is_none() && prepared.param.is_none());
         assert!(err.to_string().contains("given twice"), "{err}");
     }
 
