@@ -274,6 +274,15 @@ fn check(doc: &str, root: clap::Command) -> Vec<String> {
     errors
 }
 
+/// The errors of `doc` against `root` that the page itself does not have against the real
+/// command tree, so that the tests below check the checker whatever state the page is in.
+fn new_errors(doc: &str, root: clap::Command) -> Vec<String> {
+    let baseline = check(CLI_MD, Cli::command());
+    let mut errors = check(doc, root);
+    errors.retain(|e| !baseline.contains(e));
+    errors
+}
+
 #[test]
 fn docs_cli_md_documents_exactly_the_flags_of_every_verb() {
     let errors = check(CLI_MD, Cli::command());
@@ -292,7 +301,7 @@ fn a_flag_added_without_docs_fails() {
         )
     });
 
-    let errors = check(CLI_MD, root);
+    let errors = new_errors(CLI_MD, root);
 
     assert_eq!(errors.len(), 2, "{errors:#?}");
     assert!(errors[0].contains("--new-flag has no item"), "{errors:#?}");
@@ -303,7 +312,7 @@ fn a_flag_added_without_docs_fails() {
 fn a_verb_added_without_docs_fails() {
     let root = Cli::command().subcommand(clap::Command::new("frobnicate"));
 
-    let errors = check(CLI_MD, root);
+    let errors = new_errors(CLI_MD, root);
 
     assert_eq!(
         errors,
@@ -320,7 +329,7 @@ fn documented_flags_and_verbs_that_do_not_exist_fail() {
          ```sh\nid=$(bulkhead creat --memory 256)\nbulkhead image build debian --sise 512\n```\n"
     );
 
-    let errors = check(&doc, Cli::command());
+    let errors = new_errors(&doc, Cli::command());
 
     let expect = [
         "outside a `### bulkhead VERB` section",
