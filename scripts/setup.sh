@@ -90,9 +90,10 @@ run_nested() {
 status=0
 run_nested 120 || status=$?
 # 125 is bulkhead's own failure; for this fixed command in the test host that is a nested guest
-# that stalled while booting (README, "Known problems"), which a second boot does not repeat.
+# that stalled while booting (docs/testhost.md, "Known problems"), which a second boot does not
+# repeat.
 if [[ $status -eq 125 ]]; then
-    echo "bulkhead: RETRY: the nested guest did not come up (a known problem of nested KVM under QEMU's TCG, see the README's \"Known problems\"); booting it once more" >&2
+    echo "bulkhead: RETRY: the nested guest did not come up (a known problem of nested KVM under QEMU's TCG, see docs/testhost.md, \"Known problems\"); booting it once more" >&2
     status=0
     run_nested 300 || status=$?
 fi

@@ -8,8 +8,8 @@
 #     "$PWD/scripts/diag/nested-hang.sh" /tmp/diag/out 30
 #   scripts/diag/guest-irq-stack.py ~/.cache/bulkhead/kernel/x86_64-*/vmlinux /tmp/diag/out/ram.PID
 #
-# Tracing is what makes the hang frequent (it slows every nested exit down): see README.md,
-# "Known problems".
+# Tracing is what makes the hang frequent (it slows every nested exit down): see
+# docs/testhost.md, "Known problems".
 set -u
 OUT=$1 N=$2 HUNG_S=${HUNG_S:-12} MIB=128
 RAM_BYTES=$((MIB << 20))

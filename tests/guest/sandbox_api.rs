@@ -155,7 +155,7 @@ fn wait_for_output(sandbox: &Sandbox, script: &str, needle: &str) -> bool {
 
 guest_test!(
     // In the nested test host this stream used to end in a guest triple fault about 1 run in 6
-    // (README, "Known problems"); since vsock suppresses notifications and interrupts
+    // (docs/testhost.md, "Known problems"); since vsock suppresses notifications and interrupts
     // (VIRTIO_RING_F_EVENT_IDX) it passed every run so far. A crash still shows as a triple-fault
     // warning in vmm.log, printed below, and the harness runs a crashed test once more.
     fn a_hundred_mib_from_guest_to_host_over_vsock_arrive_intact() {
@@ -188,7 +188,8 @@ guest_test!(
         let (out, received) = match (out, received) {
             (Ok(out), Ok(received)) => (out, received),
             (out, received) => {
-                // A guest crash (see README, known problems) shows as a triple-fault warning.
+                // A guest crash (docs/testhost.md, "Known problems") shows as a triple-fault
+                // warning.
                 let log = sandbox.log_tail(80);
                 panic!(
                     "exec: {:?}; host received: {:?} bytes; VMM exit: {:?}\n--- vmm.log\n{log}",

@@ -74,8 +74,8 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
     let mut out = run();
     if out.status != 0 && nested_guest_crashed(&out) {
         eprintln!(
-            "RETRY: a nested guest crashed under {args:?} (known test-host problem, see README \
-             \"Known problems\"); running it once more:\n{}",
+            "RETRY: a nested guest crashed under {args:?} (known test-host problem, see \
+             docs/testhost.md, \"Known problems\"); running it once more:\n{}",
             String::from_utf8_lossy(&out.stdout)
         );
         out = run();
@@ -94,8 +94,8 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
 /// Whether a failed delegated test reports a guest crash (the VMM's "the guest crashed", its
 /// triple-fault warning, or a [`CRASH_MARKER`] line: a VMM of the test logged a crash, a triple
 /// fault or a kernel panic, to the boot log): in the nested test host, guest kernels sometimes
-/// crash (README, "Known problems"), so such a test is run once more; one that fails twice
-/// still fails.
+/// crash (docs/testhost.md, "Known problems"), so such a test is run once more; one that fails
+/// twice still fails.
 fn nested_guest_crashed(out: &CommandOutput) -> bool {
     [&out.stdout, &out.stderr].iter().any(|bytes| {
         let text = String::from_utf8_lossy(bytes);

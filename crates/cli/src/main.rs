@@ -4,6 +4,8 @@
 //! 124 when `--timeout` expired; 125 when bulkhead itself failed (no VM, bad input).
 
 mod bench;
+#[cfg(test)]
+mod cli_docs_tests;
 mod daemon_cmds;
 mod image_cmds;
 mod run;

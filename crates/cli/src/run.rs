@@ -319,7 +319,7 @@ fn require_kvm_or_hint(hint: impl FnOnce() -> String) -> Result<(), String> {
         return Ok(());
     }
     Err(format!(
-        "{}; run bulkhead inside the nested test host instead: `{}` (see README)",
+        "{}; run bulkhead inside the nested test host instead: `{}` (see docs/testhost.md)",
         kvm.explain(),
         hint()
     ))

@@ -70,7 +70,7 @@ pub struct BenchArgs {
     /// measure its effect, e.g. `--kernel-arg mitigations=off`.
     #[arg(long = "kernel-arg", value_name = "ARG", value_parser = crate::run::parse_kernel_arg)]
     kernel_args: Vec<String>,
-    /// Write every run's phases as JSON (schema `bulkhead-bench/1`, see the README).
+    /// Write every run's phases as JSON (schema `bulkhead-bench/1`, see docs/cli.md).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
     /// Draw the per-phase distributions as an SVG picture.
