@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_protocol::frame::encode_raw;
 use bulkhead_protocol::{
-    ExecRequest, ExitStatus, Frame, FrameDecoder, FrameType, Started, DATA_CHUNK,
+    ErrorCode, ExecRequest, ExitStatus, Frame, FrameDecoder, FrameType, Started, DATA_CHUNK,
 };
 
 use crate::conn::Conn;
@@ -51,7 +51,7 @@ const DRAIN_CHUNKS: usize = 64;
 pub fn serve(conn: Conn, req: &ExecRequest) {
     let outcome = match spawn::spawn(req) {
         Ok(outcome) => outcome,
-        Err(e) => return reply_once(conn, &[Frame::error(e.to_string())]),
+        Err(e) => return reply_once(conn, &[Frame::error(e.code(), e.to_string())]),
     };
     match outcome {
         Outcome::NotRunnable { code, message } => reply_once(
@@ -525,7 +525,8 @@ impl ExecLoop {
                     "exec pid {}: {reason}; killing its process group",
                     self.pgid
                 );
-                self.out.push_frame(&Frame::error(reason.clone()));
+                self.out
+                    .push_frame(&Frame::error(ErrorCode::Protocol, reason.clone()));
                 let _ = self.out.flush(&self.conn);
             }
             Abort::HostGone(seen) => log!(

@@ -7,8 +7,8 @@ use std::path::Path;
 
 use bulkhead_protocol::frame::encode_raw;
 use bulkhead_protocol::{
-    read_frame, write_frame, Ack, FileReadRequest, FileWriteRequest, Frame, FrameType, DATA_CHUNK,
-    PROTOCOL_VERSION,
+    read_frame, write_frame, Ack, ErrorCode, FileReadRequest, FileWriteRequest, Frame, FrameType,
+    DATA_CHUNK, PROTOCOL_VERSION,
 };
 
 use crate::conn::Conn;
@@ -91,9 +91,13 @@ pub fn serve_write(mut conn: Conn, req: &FileWriteRequest) {
 
 impl FileError {
     fn into_message(self) -> bulkhead_protocol::ErrorMessage {
-        bulkhead_protocol::ErrorMessage {
-            message: self.to_string(),
-        }
+        let code = match &self {
+            FileError::Version(_) => ErrorCode::UnsupportedVersion,
+            FileError::NotAbsolute(_) | FileError::NotRegular(_) => ErrorCode::InvalidRequest,
+            FileError::Io { source, .. } => ErrorCode::of_io(source),
+            FileError::Stream(_) => ErrorCode::Protocol,
+        };
+        bulkhead_protocol::ErrorMessage::new(code, self.to_string())
     }
 }
 

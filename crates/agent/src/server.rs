@@ -9,7 +9,8 @@ use std::thread;
 use std::time::Duration;
 
 use bulkhead_protocol::{
-    read_frame, write_frame, Ack, Frame, Ready, ShutdownRequest, PROTOCOL_VERSION, READY_PORT,
+    read_frame, write_frame, Ack, ErrorCode, Frame, Ready, ShutdownRequest, PROTOCOL_VERSION,
+    READY_PORT,
 };
 
 use crate::conn::Conn;
@@ -87,7 +88,7 @@ pub fn handle_connection(mut conn: Conn, on_shutdown: ShutdownAction) {
     let request = match read_frame(&mut conn) {
         Ok(Some(frame)) => frame,
         Ok(None) => return,
-        Err(e) => return reply_error(conn, format!("bad request: {e}")),
+        Err(e) => return reply_error(conn, ErrorCode::Protocol, format!("bad request: {e}")),
     };
     match request {
         Frame::Exec(req) => exec::serve(conn, &req),
@@ -97,6 +98,7 @@ pub fn handle_connection(mut conn: Conn, on_shutdown: ShutdownAction) {
         Frame::WorkspaceChanges(req) => workspace::serve_changes(conn, &req),
         other => reply_error(
             conn,
+            ErrorCode::Protocol,
             format!(
                 "expected Exec, FileWrite, FileRead, WorkspaceChanges or Shutdown as the first \
                  frame, got {}",
@@ -106,14 +108,15 @@ pub fn handle_connection(mut conn: Conn, on_shutdown: ShutdownAction) {
     }
 }
 
-fn reply_error(mut conn: Conn, message: String) {
-    let _ = write_frame(&mut conn, &Frame::error(message));
+fn reply_error(mut conn: Conn, code: ErrorCode, message: String) {
+    let _ = write_frame(&mut conn, &Frame::error(code, message));
 }
 
 fn shutdown(mut conn: Conn, req: ShutdownRequest, action: ShutdownAction) {
     if req.version != PROTOCOL_VERSION {
         return reply_error(
             conn,
+            ErrorCode::UnsupportedVersion,
             format!(
                 "unsupported protocol version {} (this agent speaks {PROTOCOL_VERSION})",
                 req.version

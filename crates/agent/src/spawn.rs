@@ -7,7 +7,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use bulkhead_protocol::{ExecRequest, PROTOCOL_VERSION};
+use bulkhead_protocol::{ErrorCode, ExecRequest, PROTOCOL_VERSION};
 
 use crate::reaper::{self, ExitWatch, ReaperError};
 use crate::user::{self, UserError};
@@ -50,6 +50,25 @@ pub enum SpawnError {
         /// What failed.
         source: ReaperError,
     },
+}
+
+impl SpawnError {
+    /// The error's class for the host.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            SpawnError::Version(_) => ErrorCode::UnsupportedVersion,
+            SpawnError::EmptyArgv
+            | SpawnError::Tty
+            | SpawnError::BadEnv(_)
+            | SpawnError::BadCwd(_)
+            | SpawnError::User(_) => ErrorCode::InvalidRequest,
+            SpawnError::Spawn {
+                source: ReaperError::Spawn(e),
+                ..
+            } => ErrorCode::of_io(e),
+            SpawnError::Spawn { .. } => ErrorCode::Other,
+        }
+    }
 }
 
 /// A running command.

@@ -38,8 +38,8 @@ use std::sync::OnceLock;
 
 use bulkhead_protocol::frame::encode_raw;
 use bulkhead_protocol::{
-    write_frame, ChangeRecord, ChangesEnd, EntryKind, Frame, FrameType, WorkspaceChangesRequest,
-    DATA_CHUNK, PROTOCOL_VERSION,
+    write_frame, ChangeRecord, ChangesEnd, EntryKind, ErrorCode, ErrorMessage, Frame, FrameType,
+    WorkspaceChangesRequest, DATA_CHUNK, PROTOCOL_VERSION,
 };
 
 use crate::changes::{self, Change};
@@ -210,22 +210,33 @@ pub fn use_layers(upper: PathBuf, lower: PathBuf) {
 /// Serves a `WorkspaceChanges` request: `Change` records (with `Data* End` where asked for) and
 /// `ChangesEnd`, or `Error`.
 pub fn serve_changes(mut conn: Conn, req: &WorkspaceChangesRequest) {
-    if let Err(message) = stream_changes(&mut conn, req) {
-        let _ = write_frame(&mut conn, &Frame::error(message));
+    if let Err(error) = stream_changes(&mut conn, req) {
+        let _ = write_frame(&mut conn, &Frame::Error(error));
     }
 }
 
-fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), String> {
+/// A failure while the change set streams: of no particular class.
+fn other(message: String) -> ErrorMessage {
+    ErrorMessage::new(ErrorCode::Other, message)
+}
+
+fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), ErrorMessage> {
     if req.version != PROTOCOL_VERSION {
-        return Err(format!(
-            "unsupported protocol version {} (this agent speaks {PROTOCOL_VERSION})",
-            req.version
+        return Err(ErrorMessage::new(
+            ErrorCode::UnsupportedVersion,
+            format!(
+                "unsupported protocol version {} (this agent speaks {PROTOCOL_VERSION})",
+                req.version
+            ),
         ));
     }
-    let layers = LAYERS
-        .get()
-        .ok_or("this sandbox has no clone workspace (start it with --workspace DIR:clone)")?;
-    let set = changes::compute(&layers.upper, &layers.lower).map_err(|e| e.to_string())?;
+    let layers = LAYERS.get().ok_or_else(|| {
+        ErrorMessage::new(
+            ErrorCode::InvalidRequest,
+            "this sandbox has no clone workspace (start it with --workspace DIR:clone)",
+        )
+    })?;
+    let set = changes::compute(&layers.upper, &layers.lower).map_err(|e| other(e.to_string()))?;
     let mut frame = Vec::with_capacity(DATA_CHUNK + 64);
     for change in &set.changes {
         let data = change.has_contents()
@@ -235,9 +246,10 @@ fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), 
                     .content_names
                     .iter()
                     .any(|n| *n == file_name(&change.path)));
-        send(conn, &Frame::Change(record(change, data)))?;
+        send(conn, &Frame::Change(record(change, data))).map_err(other)?;
         if data {
-            send_contents(conn, &layers.upper.join(&change.path), change, &mut frame)?;
+            send_contents(conn, &layers.upper.join(&change.path), change, &mut frame)
+                .map_err(other)?;
         }
     }
     send(
@@ -247,6 +259,7 @@ fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), 
             skipped: set.skipped,
         }),
     )
+    .map_err(other)
 }
 
 fn file_name(path: &str) -> &str {

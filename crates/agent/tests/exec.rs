@@ -6,6 +6,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bulkhead_protocol::client::{ClientError, ExecEvent};
+use bulkhead_protocol::ErrorCode;
 use bulkhead_protocol::ExecRequest;
 use common::{group_is_gone, noise, sha256, wait_until, Agent, PATIENCE};
 
@@ -386,19 +387,29 @@ fn invalid_requests_are_refused_with_an_error() {
     let empty = ExecRequest::new(Vec::<String>::new());
 
     // Act
-    let errors: Vec<String> = [bad_cwd, bad_version, bad_env, empty]
+    let errors: Vec<(String, ErrorCode)> = [bad_cwd, bad_version, bad_env, empty]
         .iter()
         .map(|req| match agent.client().exec(req) {
-            Err(ClientError::Agent(message)) => message,
+            Err(ClientError::Agent(e)) => (e.message, e.code),
             other => panic!("expected an agent error, got {other:?}"),
         })
         .collect();
 
     // Assert
-    assert!(errors[0].contains("/no/such/dir"), "{}", errors[0]);
-    assert!(errors[1].contains("version 99"), "{}", errors[1]);
-    assert!(errors[2].contains("NOEQUALS"), "{}", errors[2]);
-    assert!(errors[3].contains("argv is empty"), "{}", errors[3]);
+    assert!(errors[0].0.contains("/no/such/dir"), "{:?}", errors[0]);
+    assert!(errors[1].0.contains("version 99"), "{:?}", errors[1]);
+    assert!(errors[2].0.contains("NOEQUALS"), "{:?}", errors[2]);
+    assert!(errors[3].0.contains("argv is empty"), "{:?}", errors[3]);
+    let codes: Vec<ErrorCode> = errors.iter().map(|e| e.1).collect();
+    assert_eq!(
+        codes,
+        [
+            ErrorCode::InvalidRequest,
+            ErrorCode::UnsupportedVersion,
+            ErrorCode::InvalidRequest,
+            ErrorCode::InvalidRequest
+        ]
+    );
 }
 
 #[test]

@@ -166,7 +166,7 @@ fn an_agent_without_a_clone_workspace_says_so() {
 
     // Assert
     assert!(
-        matches!(&result, Err(ClientError::Agent(m)) if m.contains("no clone workspace")),
+        matches!(&result, Err(ClientError::Agent(m)) if m.message.contains("no clone workspace") && m.code == bulkhead_protocol::ErrorCode::InvalidRequest),
         "{result:?}"
     );
 }

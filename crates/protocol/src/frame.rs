@@ -20,8 +20,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::messages::{
-    Ack, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest, Ready,
-    ShutdownRequest, SignalRequest, Started,
+    Ack, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest,
+    Ready, ShutdownRequest, SignalRequest, Started,
 };
 use crate::workspace::{ChangeRecord, ChangesEnd, WorkspaceChangesRequest};
 use crate::MAX_FRAME;
@@ -208,11 +208,9 @@ pub enum Frame {
 }
 
 impl Frame {
-    /// An `Error` frame with `message`.
-    pub fn error(message: impl Into<String>) -> Self {
-        Self::Error(ErrorMessage {
-            message: message.into(),
-        })
+    /// An `Error` frame of class `code` with `message`.
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self::Error(ErrorMessage::new(code, message))
     }
 
     /// This frame's type byte.

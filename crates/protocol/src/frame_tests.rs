@@ -64,7 +64,7 @@ fn every_kind_of_frame() -> Vec<Frame> {
         Frame::Data(vec![]),
         Frame::End,
         Frame::Ack(Ack { bytes: 7 }),
-        Frame::error("nope"),
+        Frame::error(crate::ErrorCode::NotFound, "nope"),
     ]
 }
 

@@ -31,8 +31,8 @@ pub mod workspace;
 
 pub use frame::{read_frame, write_frame, Frame, FrameDecoder, FrameError, FrameType};
 pub use messages::{
-    Ack, BootTimestamps, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest,
-    Ready, ShutdownRequest, SignalRequest, Started,
+    Ack, BootTimestamps, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest,
+    FileWriteRequest, Ready, ShutdownRequest, SignalRequest, Started,
 };
 pub use workspace::{
     ChangeRecord, ChangeStatus, ChangesEnd, EntryKind, SkippedEntry, WorkspaceChangesRequest,

@@ -135,6 +135,75 @@ impl ExitStatus {
 pub struct ErrorMessage {
     /// Human-readable reason, e.g. `open /etc/x: No such file or directory (os error 2)`.
     pub message: String,
+    /// Machine-readable class of the failure; [`ErrorCode::Other`] when absent (agents older
+    /// than the field send none) or unknown to the reader (a newer peer's code).
+    #[serde(default)]
+    pub code: ErrorCode,
+}
+
+impl ErrorMessage {
+    /// An error of class `code` with `message`.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ErrorMessage {
+            message: message.into(),
+            code,
+        }
+    }
+}
+
+/// Why a request failed, for the host to act on without reading the message's text (e.g. the
+/// daemon's HTTP status). Encoded as a `snake_case` string; a reader maps every string it does
+/// not know to [`ErrorCode::Other`], so codes can be added without breaking older hosts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// A path or object the request names does not exist (`ENOENT`).
+    NotFound,
+    /// The guest refused access (`EACCES`, `EPERM`, `EROFS`).
+    PermissionDenied,
+    /// The request is malformed or names something unusable: a relative path, a directory
+    /// where a file is needed, an empty `argv`, an unknown user, a missing `cwd`, no clone
+    /// workspace for a change set.
+    InvalidRequest,
+    /// The request's protocol version is not the agent's.
+    UnsupportedVersion,
+    /// The peer broke the frame sequence of the request.
+    Protocol,
+    /// The guest ran out of something: disk space, memory, descriptors, processes.
+    ResourceExhausted,
+    /// Anything else, and every code this side does not know.
+    #[default]
+    #[serde(other)]
+    Other,
+}
+
+impl ErrorCode {
+    /// The class of an OS error (by its errno when it has one, else by its kind).
+    pub fn of_io(err: &std::io::Error) -> ErrorCode {
+        match err.raw_os_error() {
+            Some(libc::ENOENT) => ErrorCode::NotFound,
+            Some(libc::EACCES | libc::EPERM | libc::EROFS) => ErrorCode::PermissionDenied,
+            Some(
+                libc::ENOTDIR | libc::EISDIR | libc::EINVAL | libc::ENAMETOOLONG | libc::ELOOP,
+            ) => ErrorCode::InvalidRequest,
+            Some(
+                libc::ENOSPC
+                | libc::EDQUOT
+                | libc::ENOMEM
+                | libc::EFBIG
+                | libc::EMFILE
+                | libc::ENFILE
+                | libc::EAGAIN,
+            ) => ErrorCode::ResourceExhausted,
+            Some(_) => ErrorCode::Other,
+            None => match err.kind() {
+                std::io::ErrorKind::NotFound => ErrorCode::NotFound,
+                std::io::ErrorKind::PermissionDenied => ErrorCode::PermissionDenied,
+                std::io::ErrorKind::InvalidInput => ErrorCode::InvalidRequest,
+                _ => ErrorCode::Other,
+            },
+        }
+    }
 }
 
 /// Writes a whole file. Followed by `Data` frames with the contents and one `End`.
@@ -175,6 +244,70 @@ pub struct Ack {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_without_a_code_or_with_an_unknown_one_is_other() {
+        // Arrange: an old agent's error, and a newer agent's code.
+        let old = r#"{"message":"boom"}"#;
+        let newer = r#"{"message":"boom","code":"quantum_flux"}"#;
+
+        // Act
+        let old: ErrorMessage = serde_json::from_str(old).unwrap();
+        let newer: ErrorMessage = serde_json::from_str(newer).unwrap();
+
+        // Assert
+        assert_eq!(old.code, ErrorCode::Other);
+        assert_eq!(newer.code, ErrorCode::Other);
+        assert_eq!(newer.message, "boom");
+    }
+
+    #[test]
+    fn error_codes_round_trip_as_snake_case_strings() {
+        // Arrange
+        let err = ErrorMessage::new(ErrorCode::NotFound, "open /x: No such file");
+
+        // Act
+        let json = serde_json::to_string(&err).unwrap();
+        let back: ErrorMessage = serde_json::from_str(&json).unwrap();
+
+        // Assert
+        assert!(json.contains(r#""code":"not_found""#), "{json}");
+        assert_eq!(back, err);
+    }
+
+    #[test]
+    fn os_errors_map_to_their_class() {
+        // Arrange
+        let cases = [
+            (std::io::Error::from_raw_os_error(2), ErrorCode::NotFound),
+            (
+                std::io::Error::from_raw_os_error(13),
+                ErrorCode::PermissionDenied,
+            ),
+            (
+                std::io::Error::from_raw_os_error(30),
+                ErrorCode::PermissionDenied,
+            ),
+            (
+                std::io::Error::from_raw_os_error(21),
+                ErrorCode::InvalidRequest,
+            ),
+            (
+                std::io::Error::from_raw_os_error(28),
+                ErrorCode::ResourceExhausted,
+            ),
+            (
+                std::io::Error::from_raw_os_error(24),
+                ErrorCode::ResourceExhausted,
+            ),
+            (std::io::Error::from_raw_os_error(5), ErrorCode::Other),
+        ];
+
+        // Act / Assert
+        for (err, code) in cases {
+            assert_eq!(ErrorCode::of_io(&err), code, "{err}");
+        }
+    }
 
     #[test]
     fn kill_group_on_exit_round_trips_through_json() {

@@ -7,6 +7,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bulkhead_client::{ErrorBody, ErrorDetail};
 use bulkhead_protocol::client::ClientError;
+use bulkhead_protocol::ErrorCode;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 
@@ -52,15 +53,26 @@ impl ApiError {
         }
     }
 
-    /// An error talking to a guest agent: the agent's own refusal is the request's fault (404
-    /// for a missing file, else 400); anything else means the VM is unreachable (502).
+    /// An error talking to a guest agent. The agent's own refusal gets the status of its
+    /// [`ErrorCode`] (404 for a missing path, 403 for a refused access, 400 for a bad request or
+    /// an unclassified refusal, 507 when the guest ran out of space or memory, 502 when agent
+    /// and daemon disagree on the protocol); anything else means the VM is unreachable (502).
     pub fn from_agent(err: ClientError) -> Self {
         match err {
-            ClientError::Agent(message) if message.contains("No such file") => {
-                Self::new(StatusCode::NOT_FOUND, "not_found", message)
-            }
-            ClientError::Agent(message) => {
-                Self::new(StatusCode::BAD_REQUEST, "guest_rejected", message)
+            ClientError::Agent(e) => {
+                let (status, code) = match e.code {
+                    ErrorCode::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+                    ErrorCode::PermissionDenied => (StatusCode::FORBIDDEN, "guest_denied"),
+                    ErrorCode::InvalidRequest => (StatusCode::BAD_REQUEST, "guest_rejected"),
+                    ErrorCode::ResourceExhausted => {
+                        (StatusCode::INSUFFICIENT_STORAGE, "guest_exhausted")
+                    }
+                    ErrorCode::UnsupportedVersion | ErrorCode::Protocol => {
+                        (StatusCode::BAD_GATEWAY, "agent_protocol")
+                    }
+                    ErrorCode::Other => (StatusCode::BAD_REQUEST, "guest_rejected"),
+                };
+                Self::new(status, code, e.message)
             }
             other => Self::new(
                 StatusCode::BAD_GATEWAY,

@@ -56,7 +56,7 @@ impl ExecSession {
         };
         let pid = match read_frame(&mut reader.stream).map_err(classify)? {
             Some(Frame::Started(s)) => Some(s.pid),
-            Some(Frame::Error(e)) => return Err(ClientError::Agent(e.message)),
+            Some(Frame::Error(e)) => return Err(ClientError::Agent(e)),
             Some(other) => {
                 reader.pending = Some(event_of(other)?);
                 None
@@ -243,7 +243,7 @@ fn event_of(frame: Frame) -> Result<ExecEvent, ClientError> {
         Frame::Stdout(b) => Ok(ExecEvent::Stdout(b)),
         Frame::Stderr(b) => Ok(ExecEvent::Stderr(b)),
         Frame::Exit(status) => Ok(ExecEvent::Exit(status)),
-        Frame::Error(e) => Err(ClientError::Agent(e.message)),
+        Frame::Error(e) => Err(ClientError::Agent(e)),
         other => Err(ClientError::Unexpected {
             expected: "Stdout, Stderr, Exit or Error",
             got: other.kind(),

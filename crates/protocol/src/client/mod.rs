@@ -28,7 +28,9 @@ pub use ready::accept_ready;
 pub use workspace::{ChangeEvent, ChangeStream, CHANGES_READ_TIMEOUT};
 
 use crate::frame::{encode_raw, read_frame, write_frame, Frame, FrameError, FrameType};
-use crate::messages::{ExecRequest, FileReadRequest, FileWriteRequest, ShutdownRequest};
+use crate::messages::{
+    ErrorMessage, ExecRequest, FileReadRequest, FileWriteRequest, ShutdownRequest,
+};
 use crate::{AGENT_PORT, DATA_CHUNK, PROTOCOL_VERSION};
 
 /// Default bound on connecting and on each blocking read or write of a request (10 s).
@@ -61,9 +63,9 @@ pub enum ClientError {
     /// A frame could not be read or written.
     #[error(transparent)]
     Frame(#[from] FrameError),
-    /// The agent answered with an `Error` frame.
-    #[error("agent: {0}")]
-    Agent(String),
+    /// The agent answered with an `Error` frame (its class in `code`).
+    #[error("agent: {}", .0.message)]
+    Agent(ErrorMessage),
     /// The agent sent a frame that does not belong at this point of the sequence.
     #[error("protocol violation: expected {expected}, got a {got} frame")]
     Unexpected {
@@ -212,7 +214,7 @@ impl AgentClient {
         }
         match read_frame(&mut stream).map_err(classify)? {
             Some(Frame::Ack(ack)) => Ok(ack.bytes),
-            Some(Frame::Error(e)) => Err(ClientError::Agent(e.message)),
+            Some(Frame::Error(e)) => Err(ClientError::Agent(e)),
             Some(other) => Err(ClientError::Unexpected {
                 expected: "Ack or Error",
                 got: other.kind(),
@@ -246,7 +248,7 @@ impl AgentClient {
                     total += bytes.len() as u64;
                 }
                 Some(Frame::End) => return Ok(total),
-                Some(Frame::Error(e)) => return Err(ClientError::Agent(e.message)),
+                Some(Frame::Error(e)) => return Err(ClientError::Agent(e)),
                 Some(other) => {
                     return Err(ClientError::Unexpected {
                         expected: "Data, End or Error",
@@ -268,7 +270,7 @@ impl AgentClient {
         write_frame(&mut stream, &request).map_err(classify)?;
         match read_frame(&mut stream) {
             Ok(Some(Frame::Ack(_)) | None) => Ok(()),
-            Ok(Some(Frame::Error(e))) => Err(ClientError::Agent(e.message)),
+            Ok(Some(Frame::Error(e))) => Err(ClientError::Agent(e)),
             Ok(Some(other)) => Err(ClientError::Unexpected {
                 expected: "Ack or Error",
                 got: other.kind(),
@@ -309,7 +311,7 @@ fn send_file_body(
 /// After a failed write: the agent's `Error` message, when it sent one.
 fn agent_reason(stream: &mut UnixStream) -> Option<ClientError> {
     match read_frame(stream) {
-        Ok(Some(Frame::Error(e))) => Some(ClientError::Agent(e.message)),
+        Ok(Some(Frame::Error(e))) => Some(ClientError::Agent(e)),
         _ => None,
     }
 }

@@ -28,7 +28,7 @@ pub fn accept_ready(listener: &UnixListener, timeout: Duration) -> Result<Ready,
             agent: ready.version,
             host: PROTOCOL_VERSION,
         }),
-        Some(Frame::Error(e)) => Err(ClientError::Agent(e.message)),
+        Some(Frame::Error(e)) => Err(ClientError::Agent(e)),
         Some(other) => Err(ClientError::Unexpected {
             expected: "Ready",
             got: other.kind(),

@@ -55,7 +55,7 @@ impl ChangeStream {
             Ok(Some(Frame::ChangesEnd(end))) => ChangeEvent::Done(end),
             Ok(Some(Frame::Error(e))) => {
                 self.done = true;
-                return Err(ClientError::Agent(e.message));
+                return Err(ClientError::Agent(e));
             }
             Ok(Some(other)) => {
                 self.done = true;
@@ -189,7 +189,10 @@ mod tests {
     #[test]
     fn an_agent_error_and_an_early_close_are_errors() {
         // Arrange
-        let (_d1, refusing, _s1) = fake_agent(vec![Frame::error("no clone workspace")]);
+        let (_d1, refusing, _s1) = fake_agent(vec![Frame::error(
+            crate::ErrorCode::InvalidRequest,
+            "no clone workspace",
+        )]);
         let (_d2, closing, _s2) = fake_agent(vec![Frame::Change(record("a", false))]);
         let request = WorkspaceChangesRequest {
             version: PROTOCOL_VERSION,
@@ -206,7 +209,7 @@ mod tests {
 
         // Assert
         assert!(
-            matches!(&refused, Err(ClientError::Agent(m)) if m == "no clone workspace"),
+            matches!(&refused, Err(ClientError::Agent(e)) if e.message == "no clone workspace"),
             "{refused:?}"
         );
         assert!(first.is_ok());
