@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, VmmExit, Workspace, WorkspaceMode};
+use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, Workspace, WorkspaceMode};
 use bulkhead_tests::hostcheck::{cgroup_dirs, processes_named, tree_snapshot, EntryState};
 use bulkhead_tests::{artifacts, sandbox_config, sha256_hex};
 use bulkhead_vmm::config::DiskConfig;
@@ -293,9 +293,9 @@ impl Sandboxes {
                 .extend(sandbox.runtime_path().map(Path::to_owned));
             if let Ok(Some(exit)) = sandbox.try_wait_exit() {
                 let log = sandbox.log_tail(6).replace('\n', " / ");
-                let clean = matches!(exit, VmmExit::Code(0));
+                let clean = exit.is_clean();
                 out.ended_early.push((
-                    format!("{name}'s VMM had ended ({exit:?}; log: {log})"),
+                    format!("{name}'s VMM had ended ({exit}; log: {log})"),
                     clean,
                 ));
             }

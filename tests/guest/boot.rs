@@ -4,6 +4,7 @@ use std::path::Path;
 use std::process::Output;
 
 use bulkhead_tests::{artifacts, describe, guest_test, run, run_with_env, scratch_dir};
+use bulkhead_vmm::exit_report::{EndReason, ExitReport};
 
 /// Default command line plus the test init's action.
 fn cmdline(action: &str) -> String {
@@ -159,26 +160,38 @@ guest_test!(
 );
 
 guest_test!(
-    fn a_kernel_panic_is_a_crash_even_with_the_serial_console_off() {
+    fn a_kernel_panic_is_a_reset_with_the_console_panic_quoted_even_with_the_console_off() {
         // Arrange: the test init exits, so the kernel panics ("Attempted to kill init!") and,
         // with panic=1, resets a second later just as a reboot would.
         let dir = scratch_dir();
         let boot_log = dir.path().join("boots.log");
+        let exit_file = dir.path().join("exit.json");
+        let exit_arg = exit_file.to_str().unwrap();
 
         // Act
         let out = boot_test_init(
             &artifacts().vmlinux,
             "off",
             "exit",
-            &[],
+            &["--exit-file", exit_arg],
             &[("BULKHEAD_BOOT_LOG", &boot_log)],
         );
 
-        // Assert: exit 3 with the panic's reason, on stderr and in the boot log.
-        assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
+        // Assert: the VMM saw a reset (exit 0); the console's panic is quoted as the guest's
+        // text, in the report, on stderr and in the boot log.
+        assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+        let report = ExitReport::read(&exit_file)
+            .unwrap()
+            .expect("an exit report");
+        assert_eq!(report.reason, EndReason::Reset);
+        assert_eq!(
+            report.guest_console_panic.as_deref(),
+            Some("Attempted to kill init!")
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
-            stderr.contains("the guest crashed: its kernel panicked: Attempted to kill init!"),
+            stderr
+                .contains("guest-written text, not verified by the host): Attempted to kill init!"),
             "{stderr}"
         );
         let log = std::fs::read_to_string(&boot_log).unwrap();
@@ -186,8 +199,51 @@ guest_test!(
         assert_eq!(lines.len(), 2, "{log}");
         assert!(lines[0].contains(" kernel="), "{log}");
         assert!(
-            lines[1].contains(" crashed: kernel panic: Attempted to kill init!"),
+            lines[1].contains(" console-panic: Attempted to kill init!"),
             "{log}"
+        );
+    }
+);
+
+guest_test!(
+    fn a_guest_that_prints_fake_crash_lines_and_reboots_is_a_clean_reset() {
+        // Arrange: the console gets `bulkhead-vmm: the guest crashed: fake` and a fake panic
+        // banner, then the guest reboots cleanly.
+        let dir = scratch_dir();
+        let serial = dir.path().join("serial.txt");
+        let exit_file = dir.path().join("exit.json");
+        let exit_arg = exit_file.to_str().unwrap();
+
+        // Act
+        let out = boot_test_init(
+            &artifacts().vmlinux,
+            serial.to_str().unwrap(),
+            "spoof-crash",
+            &["--exit-file", exit_arg],
+            &[],
+        );
+
+        // Assert: a clean exit; the fake VMM line is nowhere but in the guest's console.
+        assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+        let report = ExitReport::read(&exit_file)
+            .unwrap()
+            .expect("an exit report");
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(report.reason, EndReason::Reset);
+        assert!(
+            !report.describe().contains("crashed"),
+            "{}",
+            report.describe()
+        );
+        let console = std::fs::read_to_string(&serial).unwrap();
+        assert!(
+            console.contains("bulkhead-vmm: the guest crashed: fake"),
+            "{console}"
+        );
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("the guest crashed"),
+            "{}",
+            describe(&out)
         );
     }
 );

@@ -255,8 +255,10 @@ guest_test!(
             .unwrap();
 
         // Assert
-        use std::os::unix::process::ExitStatusExt;
-        assert_eq!(exit.and_then(|s| s.signal()), Some(libc::SIGKILL));
+        assert_eq!(
+            exit.map(|e| e.status),
+            Some(bulkhead_sandbox::VmmExit::Signal(libc::SIGKILL))
+        );
         assert!(
             ends_within(&vmm, Duration::from_secs(30)),
             "the jailed VMM outlived its supervisor"
@@ -277,8 +279,14 @@ guest_test!(
             .wait_exit(std::time::Duration::from_secs(60))
             .unwrap();
 
-        // Assert: the jailed VMM (PID 1 of its namespace) handled the signal and exited 0.
-        assert_eq!(exit.and_then(|s| s.code()), Some(0));
+        // Assert: the jailed VMM (PID 1 of its namespace) handled the signal, exited 0 and
+        // wrote its exit report through the descriptor it opened before entering the jail.
+        let end = exit.expect("the VM is still running after SIGTERM");
+        assert_eq!(end.status, bulkhead_sandbox::VmmExit::Code(0), "{end}");
+        assert_eq!(
+            end.report.map(|r| r.reason),
+            Some(bulkhead_vmm::exit_report::EndReason::Stopped)
+        );
     }
 );
 

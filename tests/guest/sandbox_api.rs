@@ -313,6 +313,36 @@ fn send_connect(mut stream: UnixStream, port: u32) -> String {
 }
 
 guest_test!(
+    fn a_guest_whose_console_fakes_a_crash_before_a_clean_reboot_is_reported_as_a_clean_end() {
+        // Arrange: the test init prints `bulkhead-vmm: the guest crashed: fake` and a fake panic
+        // banner on the console (kept in vmm.log), then reboots cleanly.
+        let a = artifacts();
+        let mut cfg = config(128);
+        cfg.initrd = a.test_initrd.clone();
+        cfg.extra_cmdline = vec!["bulkhead_test.action=spoof-crash".into()];
+        cfg.console = bulkhead_vmm::config::SerialOutput::Stdout;
+
+        // Act
+        let err = Sandbox::start(&cfg).unwrap_err();
+
+        // Assert: the end is the VMM's observation (a reset), not the console's lines.
+        let Error::VmExited { end, log } = &err else {
+            panic!("expected VmExited, got {err}");
+        };
+        assert!(
+            log.contains("bulkhead-vmm: the guest crashed: fake"),
+            "{log}"
+        );
+        assert!(end.is_clean(), "{end}");
+        assert_eq!(end.reason(), "guest_shutdown");
+        assert!(
+            end.to_string().starts_with("the guest reset itself"),
+            "{end}"
+        );
+    }
+);
+
+guest_test!(
     fn an_agent_that_never_comes_up_is_a_clear_error_and_the_vm_is_destroyed() {
         let a = artifacts();
         let mut cfg = config(128);
@@ -339,9 +369,12 @@ guest_test!(
         let _ = sandbox
             .exec(&ExecRequest::new(["poweroff"]))
             .map(|s| s.wait_with_output());
-        let status = sandbox.wait_exit(Duration::from_secs(120)).unwrap();
+        let end = sandbox.wait_exit(Duration::from_secs(120)).unwrap();
 
-        let status = status.expect("the VM is still running after poweroff");
-        assert!(status.success(), "bulkhead-vmm exited with {status}");
+        let end = end.expect("the VM is still running after poweroff");
+        assert!(
+            end.is_clean() && end.status == bulkhead_sandbox::VmmExit::Code(0),
+            "bulkhead-vmm ended: {end}"
+        );
     }
 );

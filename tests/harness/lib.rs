@@ -92,22 +92,26 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
 }
 
 /// Whether a failed delegated test reports a guest crash (the VMM's "the guest crashed", its
-/// triple-fault warning, or a [`CRASH_MARKER`] line: a VMM of the test logged a crash, a triple
-/// fault or a kernel panic, to the boot log): in the nested test host, guest kernels sometimes
-/// crash (docs/testhost.md, "Known problems"), so such a test is run once more; one that fails
-/// twice still fails.
+/// triple-fault warning, a reset after a kernel panic message on the console, or a
+/// [`CRASH_MARKER`] line: a VMM of the test logged a crash or a console panic to the boot log): in
+/// the nested test host, guest kernels sometimes crash (docs/testhost.md, "Known problems"), so
+/// such a test is run once more; one that fails twice still fails. (The tests' guests are ours:
+/// their console is evidence here, as it never is for a host's report.)
 fn nested_guest_crashed(out: &CommandOutput) -> bool {
     [&out.stdout, &out.stderr].iter().any(|bytes| {
         let text = String::from_utf8_lossy(bytes);
-        text.contains("the guest crashed") || text.contains("KVM_EXIT_SHUTDOWN")
+        text.contains("the guest crashed")
+            || text.contains("KVM_EXIT_SHUTDOWN")
+            || text.contains("showed a kernel panic message")
     })
 }
 
 /// File inside the test host (its own tmpfs, so it lives as long as that test host) to which every
 /// `bulkhead-vmm` appends a line per boot (`BULKHEAD_BOOT_LOG`).
 const BOOT_LOG: &str = "/tmp/bulkhead-harness-boots.log";
-/// Prefix of the lines the inner script prints after the test for each guest that crashed
-/// during it: `<prefix> pid=<vmm pid> crashed: <how>` (the VMM's boot-log line).
+/// Prefix of the lines the inner script prints after the test for each guest that crashed or
+/// showed a kernel panic on its console during it: `<prefix> pid=<vmm pid> crashed: <how>` or
+/// `<prefix> pid=<vmm pid> console-panic: <text>` (the VMM's boot-log lines).
 const CRASH_MARKER: &str = "bulkhead-harness: the guest crashed:";
 /// Prefix of the line the inner script prints after the test: `<prefix> <this run> <total>`.
 const BOOTS_MARKER: &str = "bulkhead-harness: guest boots:";
@@ -165,7 +169,8 @@ fn inner_script(args: &[&str]) -> String {
         .map(|(k, v)| format!(" {k}='{v}'"))
         .collect();
     // The test's status is the script's. The guests that crashed during the test (the boot log's
-    // `crashed:` lines since it started) are printed for `nested_guest_crashed`, and the boot
+    // `crashed:` and `console-panic:` lines since it started) are printed for
+    // `nested_guest_crashed`, and the boot
     // counts (its `kernel=` lines: this test's, all) on the last line for `report_guest_boots`.
     format!(
         "export {INNER_ENV}=1 HOME='{home}' XDG_DATA_HOME='{}' RUST_BACKTRACE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin BULKHEAD_BOOT_LOG={BOOT_LOG}{passthrough}\n\
@@ -173,7 +178,7 @@ fn inner_script(args: &[&str]) -> String {
          before=$(cat {BOOT_LOG} 2>/dev/null | wc -l)\n\
          '{}' {}\n\
          rc=$?\n\
-         tail -n +$((before + 1)) {BOOT_LOG} 2>/dev/null | grep ' crashed: ' | sed 's/^/{CRASH_MARKER} /'\n\
+         tail -n +$((before + 1)) {BOOT_LOG} 2>/dev/null | grep -E ' (crashed|console-panic): ' | sed 's/^/{CRASH_MARKER} /'\n\
          boots=$(tail -n +$((before + 1)) {BOOT_LOG} 2>/dev/null | grep -c ' kernel=')\n\
          total=$(cat {BOOT_LOG} 2>/dev/null | grep -c ' kernel=')\n\
          echo \"{BOOTS_MARKER} $boots $total\"\n\

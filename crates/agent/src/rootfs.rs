@@ -194,11 +194,11 @@ fn devices(spec: &RootParam) -> Vec<&str> {
 /// # Errors
 /// The first failed step; the agent then reboots (no sandbox without its root).
 pub fn enter(spec: &RootParam) -> Result<(), RootfsError> {
-    for device in devices(&spec) {
+    for device in devices(spec) {
         wait_for_device(device, DEVICE_WAIT)?;
     }
     let staging = Path::new(STAGING_DIR);
-    for step in mount_plan(&spec, staging) {
+    for step in mount_plan(spec, staging) {
         apply(&step)?;
     }
     // Freeing the initramfs is best effort: a leftover file costs memory, not correctness.

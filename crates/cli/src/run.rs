@@ -244,23 +244,11 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
 }
 
 /// Adds to a failed run's message how the VM ended, when it ended by itself (waiting up to
-/// [`VM_END_WAIT`] for the VMM): a crashed guest explains a connection that closed early.
+/// [`VM_END_WAIT`] for the VMM), as the VMM reported it: a crashed guest explains a connection
+/// that closed early.
 fn explain_vm_end(sandbox: &mut Sandbox, message: String) -> String {
     match sandbox.wait_exit(VM_END_WAIT) {
-        Ok(Some(status)) if status.code() == Some(3) => {
-            match bulkhead_sandbox::guest_crash_detail(&sandbox.log_tail(20)) {
-                Some(how) => format!("{message}: the guest crashed: {how}"),
-                None => format!("{message}: the guest crashed (a kernel panic or triple fault)"),
-            }
-        }
-        Ok(Some(status)) if status.code() == Some(4) => {
-            match bulkhead_sandbox::blocked_syscall(&sandbox.log_tail(20)) {
-                Some(call) => format!("{message}: the VMM's seccomp filter blocked syscall {call}"),
-                None => format!("{message}: the VMM's seccomp filter blocked a system call"),
-            }
-        }
-        Ok(Some(status)) if status.success() => format!("{message}: the guest shut itself down"),
-        Ok(Some(status)) => format!("{message}: the VMM ended ({status})"),
+        Ok(Some(end)) => format!("{message}: {end}"),
         _ => message,
     }
 }

@@ -6,12 +6,11 @@
 //! | `bulkhead_sandbox_create_seconds` | histogram | — (successful creates: request to agent ready) |
 //! | `bulkhead_sandbox_create_failures_total` | counter | — |
 //! | `bulkhead_execs_total` | counter | `result` (started, failed) |
-//! | `bulkhead_vm_exits_total` | counter | `reason` (destroyed, guest_shutdown, vmm_error, guest_crash, seccomp_violation, killed, vanished) |
+//! | `bulkhead_vm_exits_total` | counter | `reason` (destroyed, guest_shutdown, stopped, vmm_error, guest_crash, seccomp_violation, killed, vanished; see `bulkhead_sandbox::VmEnd::reason`) |
 //!
-//! VM exit reasons come from the VMM's exit status (`bulkhead-vmm` exits 0 when the guest
-//! reboots or powers off, 1 on a VMM error, 3 when the guest crashed, 4 when its seccomp filter
-//! blocked a system call) or the signal that killed
-//! it; an adopted VMM's status is unknown to the daemon (`vanished`).
+//! VM exit reasons come from the VMM's exit report (`bulkhead-vmm --exit-file`, out of the
+//! guest's reach) or, without one, its exit status or the signal that killed it; an adopted VMM
+//! that left no report ended in a way the daemon cannot know (`vanished`).
 
 use std::sync::Mutex;
 

@@ -41,9 +41,9 @@ pub mod workspace;
 pub use jail::JailError;
 pub use mounts::{Mount, MountError};
 pub use phases::{PhaseClock, Phases, Timings, PHASE_NAMES};
-pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState};
+pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState, EXIT_FILE};
 pub use storage::{Storage, StorageError};
-pub use vmm_process::{blocked_syscall, guest_crash_detail, start_time_of, VmmExit};
+pub use vmm_process::{start_time_of, VmEnd, VmmExit};
 pub use workspace::{
     ExportFormat, Workspace, WorkspaceDiff, WorkspaceError, WorkspaceInfo, WorkspaceMode,
 };

@@ -23,11 +23,14 @@ pub(crate) struct SpawnOptions<'a> {
     pub cgroup_procs: &'a [PathBuf],
     /// Where the VMM writes its timings report (`--timings-json`), if anywhere.
     pub timings_json: Option<&'a Path>,
+    /// Where the VMM writes how the VM ended (`--exit-file`), if anywhere.
+    pub exit_file: Option<&'a Path>,
     /// Extra arguments (the jail's).
     pub extra_args: &'a [std::ffi::OsString],
 }
 
-/// Spawns `vmm --config <config> [--timings-json <file>] [extra args]` with stdout/stderr appended to `log`.
+/// Spawns `vmm --config <config> [--timings-json <file>] [--exit-file <file>] [extra args]`
+/// with stdout/stderr appended to `log`.
 pub(crate) fn spawn_vmm(
     vmm: &Path,
     config: &Path,
@@ -48,6 +51,9 @@ pub(crate) fn spawn_vmm(
         .stderr(err);
     if let Some(report) = options.timings_json {
         cmd.arg("--timings-json").arg(report);
+    }
+    if let Some(exit_file) = options.exit_file {
+        cmd.arg("--exit-file").arg(exit_file);
     }
     cmd.args(options.extra_args);
     if options.kill_on_parent_exit {
@@ -219,11 +225,6 @@ pub(crate) fn terminate(child: &mut Child, grace: Duration) -> io::Result<ExitSt
     child.wait()
 }
 
-/// Waits up to `timeout` for `child` to exit, without reaping it; true if it did.
-pub(crate) fn wait_exit(child: &Child, timeout: Duration) -> io::Result<bool> {
-    wait_pidfd(&pidfd(child)?, timeout)
-}
-
 pub(crate) fn wait_pidfd(fd: &OwnedFd, timeout: Duration) -> io::Result<bool> {
     let mut pfd = libc::pollfd {
         fd: fd.as_raw_fd(),
@@ -274,6 +275,7 @@ mod tests {
             kill_on_parent_exit: true,
             cgroup_procs: &[],
             timings_json: None,
+            exit_file: None,
             extra_args: &[],
         };
 

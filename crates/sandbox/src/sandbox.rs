@@ -21,8 +21,11 @@ use crate::paths;
 use crate::phases::{self, PhaseClock, Timings, REPORT_FILE};
 use crate::process::{self, SpawnOptions, Woken};
 use crate::storage::{self, Prepared, Storage, StorageError};
-use crate::vmm_process::{start_time_of, Adopted, VmmExit, VmmProcess};
+use crate::vmm_process::{start_time_of, Adopted, VmEnd, VmmProcess};
 use crate::workspace::{self, Workspace, WorkspaceError};
+
+/// The VMM's exit report in the runtime directory (`bulkhead-vmm --exit-file`).
+pub const EXIT_FILE: &str = "exit.json";
 
 /// How long the VMM gets to stop after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -83,11 +86,12 @@ pub enum Error {
         source: io::Error,
     },
     /// The VMM exited before the guest agent was ready.
-    #[error("the VM exited before its agent was ready ({status}); VMM log:\n{log}")]
+    #[error("the VM exited before its agent was ready: {end}; VMM log:\n{log}")]
     VmExited {
-        /// The VMM's exit status.
-        status: String,
-        /// The last lines of the VMM's output.
+        /// How it ended: the VMM's exit status and report.
+        end: Box<VmEnd>,
+        /// The last lines of the VMM's output (its messages and, when kept there, the guest's
+        /// console: text the guest may have written).
         log: String,
     },
     /// The agent did not announce itself in time; the VM was destroyed.
@@ -269,10 +273,12 @@ impl Sandbox {
         };
         let log_path = dir.path().join("vmm.log");
         let report_path = dir.path().join(REPORT_FILE);
+        let exit_path = dir.path().join(EXIT_FILE);
         let options = SpawnOptions {
             kill_on_parent_exit: config.kill_on_parent_exit,
             cgroup_procs: &config.cgroup_procs,
             timings_json: Some(&report_path),
+            exit_file: Some(&exit_path),
             extra_args: &jail_args,
         };
         let mut child = process::spawn_vmm(&config.vmm_binary, &config_path, &log_path, options)
@@ -281,7 +287,11 @@ impl Sandbox {
                 source,
             })?;
         let spawn = started.elapsed();
-        let ready = match wait_ready(&listener, &mut child, &log_path, config.ready_timeout) {
+        let files = RunFiles {
+            log: &log_path,
+            exit: &exit_path,
+        };
+        let ready = match wait_ready(&listener, &mut child, files, config.ready_timeout) {
             Ok(ready) => ready,
             Err(e) => {
                 let _ = process::terminate(&mut child, STOP_GRACE);
@@ -401,20 +411,14 @@ impl Sandbox {
         child.pidfd().map_err(Error::Process)
     }
 
-    /// Checks, without blocking, whether the VM has ended by itself; reaps the VMM if so.
-    /// For an adopted sandbox the status is [`VmmExit::Unknown`].
+    /// Checks, without blocking, whether the VM has ended by itself; reaps the VMM if so and
+    /// returns how it ended (for an adopted sandbox the process status is
+    /// [`VmmExit::Unknown`](crate::VmmExit::Unknown), the VMM's report still tells).
     ///
     /// # Errors
     /// [`Error::Process`] when checking fails.
-    pub fn try_wait_exit(&mut self) -> Result<Option<VmmExit>, Error> {
-        let Some(child) = self.child.as_mut() else {
-            return Ok(None);
-        };
-        let exit = child.wait_exit(Duration::ZERO).map_err(Error::Process)?;
-        if exit.is_some() {
-            self.child = None;
-        }
-        Ok(exit)
+    pub fn try_wait_exit(&mut self) -> Result<Option<VmEnd>, Error> {
+        self.wait_exit(Duration::ZERO)
     }
 
     /// What [`Sandbox::adopt`] needs to take this sandbox over from another process.
@@ -440,7 +444,7 @@ impl Sandbox {
 
     /// Takes over a running sandbox that another process started (and [`Sandbox::detach`]ed, or
     /// that outlived its owner). The VMM is watched and stopped through a pidfd; its exit status
-    /// cannot be collected ([`VmmExit::Unknown`]).
+    /// cannot be collected ([`VmmExit::Unknown`](crate::VmmExit::Unknown)).
     ///
     /// # Errors
     /// [`Error::Adopt`] when the VMM process is gone (or the pid belongs to another process
@@ -488,34 +492,27 @@ impl Sandbox {
         self.dir.take()
     }
 
-    /// Waits up to `timeout` for the VM to end by itself (the guest rebooted or powered off);
-    /// returns the VMM's exit status, or `None` if it is still running.
+    /// Waits up to `timeout` for the VM to end by itself (the guest rebooted or powered off,
+    /// or crashed); reaps the VMM and returns how the VM ended, or `None` if it still runs.
     ///
     /// # Errors
-    /// [`Error::Process`] when waiting fails, and for an adopted VMM that exited (its status is
-    /// unknown: use [`Sandbox::try_wait_exit`]).
-    pub fn wait_exit(
-        &mut self,
-        timeout: Duration,
-    ) -> Result<Option<std::process::ExitStatus>, Error> {
-        let child = match self.child.as_mut() {
-            None => return Ok(None),
-            Some(VmmProcess::Child(child)) => child,
-            Some(adopted) => {
-                return match adopted.wait_exit(timeout).map_err(Error::Process)? {
-                    None => Ok(None),
-                    Some(_) => Err(Error::Process(io::Error::other(
-                        "an adopted VMM exited; its status is unknown (use try_wait_exit)",
-                    ))),
-                }
-            }
-        };
-        if !process::wait_exit(child, timeout).map_err(Error::Process)? {
+    /// [`Error::Process`] when waiting fails.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<Option<VmEnd>, Error> {
+        let Some(child) = self.child.as_mut() else {
             return Ok(None);
-        }
-        let status = child.wait().map_err(Error::Process)?;
+        };
+        let Some(status) = child.wait_exit(timeout).map_err(Error::Process)? else {
+            return Ok(None);
+        };
         self.child = None;
-        Ok(Some(status))
+        Ok(Some(VmEnd::read(status, &self.exit_file())))
+    }
+
+    /// The VMM's exit report file in the runtime directory.
+    fn exit_file(&self) -> PathBuf {
+        self.dir
+            .as_deref()
+            .map_or_else(PathBuf::new, |dir| dir.join(EXIT_FILE))
     }
 
     /// Stops the VM (SIGTERM, then SIGKILL after a grace period) and removes its runtime
@@ -684,10 +681,17 @@ fn write_vm_config(
     Ok(vm)
 }
 
+/// The files a starting VMM writes: its log and its exit report.
+#[derive(Debug, Clone, Copy)]
+struct RunFiles<'a> {
+    log: &'a Path,
+    exit: &'a Path,
+}
+
 fn wait_ready(
     listener: &UnixListener,
     child: &mut Child,
-    log: &Path,
+    files: RunFiles<'_>,
     timeout: Duration,
 ) -> Result<Ready, Error> {
     let pidfd = process::pidfd(child).map_err(Error::Process)?;
@@ -695,14 +699,16 @@ fn wait_ready(
         Woken::Ready => accept_ready(listener, Duration::from_secs(10)).map_err(Error::Ready),
         Woken::Exited => {
             let status = child.wait().map_err(Error::Process)?;
+            let end = VmEnd::read(status.into(), files.exit);
+            let log = log_or_explanation(tail_lines(files.log, LOG_TAIL_LINES), end.is_clean());
             Err(Error::VmExited {
-                status: status.to_string(),
-                log: log_or_explanation(tail_lines(log, LOG_TAIL_LINES), status.success()),
+                end: Box::new(end),
+                log,
             })
         }
         Woken::TimedOut => Err(Error::ReadyTimeout {
             timeout,
-            log: tail_lines(log, LOG_TAIL_LINES),
+            log: tail_lines(files.log, LOG_TAIL_LINES),
         }),
     }
 }

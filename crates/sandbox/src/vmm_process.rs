@@ -8,8 +8,11 @@ use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
 use std::process::{Child, ExitStatus};
 use std::time::Duration;
+
+use bulkhead_vmm::exit_report::{EndReason, ExitReport};
 
 use crate::process;
 
@@ -19,7 +22,8 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 /// How a VMM process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VmmExit {
-    /// It exited with this code (`bulkhead-vmm`: 0 guest reboot/power-off, 1 error, 3 guest crash).
+    /// It exited with this code (`bulkhead-vmm`: 0 clean end, 1 error, 3 guest crash, 4
+    /// seccomp).
     Code(i32),
     /// A signal ended it.
     Signal(i32),
@@ -47,47 +51,72 @@ impl fmt::Display for VmmExit {
     }
 }
 
-/// What `bulkhead-vmm` prints before saying how its guest crashed (exit code 3), when it knows:
-/// `bulkhead-vmm: the guest crashed: its kernel panicked: <reason>`.
-const CRASH_LINE: &str = "bulkhead-vmm: the guest crashed: ";
-
-/// How the guest crashed, from the last line of a VMM's output `log_tail` that says so; `None`
-/// when the VMM gave no detail (a triple fault) or none of the lines is such a line.
-///
-/// ```
-/// let log = "console noise\nbulkhead-vmm: the guest crashed: its kernel panicked: Oops\n";
-/// assert_eq!(
-///     bulkhead_sandbox::guest_crash_detail(log),
-///     Some("its kernel panicked: Oops")
-/// );
-/// assert_eq!(bulkhead_sandbox::guest_crash_detail("bulkhead-vmm: the guest crashed\n"), None);
-/// ```
-pub fn guest_crash_detail(log_tail: &str) -> Option<&str> {
-    last_after(log_tail, CRASH_LINE)
+/// How a VM ended: the VMM process's exit status and the report the VMM wrote about it
+/// (`bulkhead-vmm --exit-file`, see [`bulkhead_vmm::exit_report`]). The guest can reach
+/// neither: the reason a host reports comes only from these, never from the VMM's log, which
+/// holds the guest's console.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmEnd {
+    /// The process's exit status ([`VmmExit::Unknown`] for an adopted VMM).
+    pub status: VmmExit,
+    /// The VMM's exit report, when it wrote one (a VMM killed by a signal writes none).
+    pub report: Option<ExitReport>,
 }
 
-/// What `bulkhead-vmm` prints before its seccomp filter kills it (exit code 4), followed by
-/// `<syscall number> (<thread kind>)` (`bulkhead_vmm::seccomp`).
-const SECCOMP_LINE: &str = "bulkhead-vmm: seccomp: blocked syscall ";
+impl VmEnd {
+    /// The end of a VMM that exited with `status`, with the report in `exit_file` (an unreadable
+    /// or malformed report is logged and left out).
+    pub fn read(status: VmmExit, exit_file: &Path) -> VmEnd {
+        let report = match ExitReport::read(exit_file) {
+            Ok(report) => report,
+            Err(e) => {
+                tracing::warn!("{e}");
+                None
+            }
+        };
+        VmEnd { status, report }
+    }
 
-/// The system call the VMM's seccomp filter blocked, as `<number> (<thread kind>)`, from the last
-/// line of a VMM's output `log_tail` that names one; `None` when no line does.
-///
-/// ```
-/// let log = "console noise\nbulkhead-vmm: seccomp: blocked syscall 41 (vcpu)\n";
-/// assert_eq!(bulkhead_sandbox::blocked_syscall(log), Some("41 (vcpu)"));
-/// assert_eq!(bulkhead_sandbox::blocked_syscall("bulkhead-vmm: exiting\n"), None);
-/// ```
-pub fn blocked_syscall(log_tail: &str) -> Option<&str> {
-    last_after(log_tail, SECCOMP_LINE)
+    /// Whether the VM ended without a fault: the guest reset or powered itself off, or the VMM
+    /// was stopped.
+    pub fn is_clean(&self) -> bool {
+        match &self.report {
+            Some(report) => report.is_clean(),
+            None => self.status == VmmExit::Code(0),
+        }
+    }
+
+    /// A machine-readable reason: `guest_shutdown` (the guest reset or powered itself off),
+    /// `stopped` (the VMM was told to stop), `guest_crash` (KVM reported a crash, or the VM
+    /// failed), `seccomp_violation`, `vmm_error` (the VMM could not run the VM, or ended without
+    /// a report), `killed` (a signal ended the VMM), `vanished` (an adopted VMM ended without a
+    /// report).
+    pub fn reason(&self) -> &'static str {
+        match (&self.report, self.status) {
+            (Some(report), _) => match report.reason {
+                EndReason::Reset | EndReason::PowerOff => "guest_shutdown",
+                EndReason::Stopped => "stopped",
+                EndReason::GuestCrash | EndReason::Fatal => "guest_crash",
+                EndReason::Seccomp => "seccomp_violation",
+                EndReason::Error => "vmm_error",
+            },
+            (None, VmmExit::Signal(_)) => "killed",
+            (None, VmmExit::Unknown) => "vanished",
+            (None, VmmExit::Code(_)) => "vmm_error",
+        }
+    }
 }
 
-/// The rest of the last line of `log_tail` that contains `marker`, after it, trimmed.
-fn last_after<'a>(log_tail: &'a str, marker: &str) -> Option<&'a str> {
-    log_tail
-        .lines()
-        .rev()
-        .find_map(|line| line.split_once(marker).map(|(_, rest)| rest.trim()))
+impl fmt::Display for VmEnd {
+    /// What the VMM observed, e.g. `the guest reset itself (exit code 0)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.report, self.status) {
+            (Some(report), VmmExit::Unknown) => f.write_str(&report.describe()),
+            (Some(report), status) => write!(f, "{} ({status})", report.describe()),
+            (None, VmmExit::Signal(sig)) => write!(f, "the VMM was killed by signal {sig}"),
+            (None, status) => write!(f, "the VMM ended ({status}) without an exit report"),
+        }
+    }
 }
 
 /// A VMM process we did not spawn, held through a pidfd.

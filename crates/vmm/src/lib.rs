@@ -11,6 +11,7 @@
 //! - [`devices`]: emulated devices and the port-I/O / MMIO buses they sit on.
 //! - [`config`]: the VM configuration (JSON or command-line flags) and its validation.
 //! - [`timings`]: the boot-timeline report (`bulkhead-vmm --timings-json`).
+//! - [`exit_report`]: how the VM ended, in the VMM's words (`bulkhead-vmm --exit-file`).
 //! - [`seccomp`]: the seccomp-BPF allowlist of each kind of VMM thread.
 //! - [`jail`]: namespaces, a private root and dropped privileges for the VMM process.
 #![deny(missing_docs)]
@@ -21,6 +22,7 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
+pub mod exit_report;
 pub mod jail;
 pub mod limits;
 pub mod seccomp;

@@ -1,10 +1,13 @@
 //! `bulkhead-vmm`: boots one microVM and exits when the guest does.
 //!
-//! Exit status: 0 when the guest reset (`reboot`) or powered off; 1 when the VM could not be built
-//! or run (the reason is printed); 2 for usage errors; 3 when the guest crashed (a crash KVM
-//! reports, a triple fault, or a reset after its console showed a kernel panic) or a vCPU failed;
-//! 4 when a seccomp filter (`--seccomp on`) blocked a system call: stderr then has
-//! `bulkhead-vmm: seccomp: blocked syscall N (<thread kind>)` with the call's number.
+//! Exit status: 0 when the guest reset (`reboot`, and a kernel panic with `panic=1`) or powered
+//! off, or a signal stopped the VM; 1 when the VM could not be built or run (the reason is
+//! printed); 2 for usage errors; 3 when KVM reported a guest crash (a triple fault, a crash
+//! event) or a vCPU failed; 4 when a seccomp filter (`--seccomp on`) blocked a system call:
+//! stderr then has `bulkhead-vmm: seccomp: blocked syscall N (<thread kind>)` with the call's
+//! number. With `--exit-file FILE` the same is written to FILE as JSON
+//! (`bulkhead_vmm::exit_report`), out of the guest's reach: programs read that, never the log,
+//! which holds the guest's console.
 //!
 //! Environment: `BULKHEAD_LOG` (tracing filter, default `warn`); `BULKHEAD_BOOT_LOG=FILE`
 //! appends one line per booted VM, and one per guest crash, to FILE (see `BootLog`);
@@ -24,6 +27,7 @@ use bulkhead_vmm::config::{
     DiskConfig, SerialOutput, ShareConfig, VmConfig, VsockConfig, DEFAULT_GUEST_CID,
     DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
 };
+use bulkhead_vmm::exit_report::{ExitFile, ExitReport, EXIT_ERROR};
 use bulkhead_vmm::jail::{self, JailConfig, MountPlan};
 use bulkhead_vmm::seccomp::{SeccompMode, ThreadFilters, ThreadKind};
 use bulkhead_vmm::timings::{guest_ranges, ProcessClock, TimingsReport};
@@ -76,6 +80,11 @@ struct Args {
     /// The guest's vsock context ID.
     #[arg(long, value_name = "CID", default_value_t = DEFAULT_GUEST_CID, requires = "vsock_uds")]
     vsock_cid: u64,
+    /// Write how the VM ended (the reason the VMM observed, its exit status, a blocked system
+    /// call, and, marked as guest-written, a panic message the console showed) as JSON to
+    /// FILE, created or emptied at start. Also with `--config`.
+    #[arg(long, value_name = "FILE")]
+    exit_file: Option<PathBuf>,
     /// Write the boot phase timestamps (ms since this process started) as JSON to FILE, once as
     /// soon as the vCPUs run and again at exit (each time atomically; see `timings` in the
     /// library docs).
@@ -172,13 +181,24 @@ fn main() -> ExitCode {
         .init();
     let args = Args::parse();
     let launch = Launch::new(&args, process_start);
-    match run(args, launch) {
-        Ok(code) => code,
-        Err(msg) => {
-            eprintln!("bulkhead-vmm: error: {msg}");
-            ExitCode::from(1)
+    // Opened first, outside any jail, so every way this process ends below is reported there.
+    let exit_file = match args.exit_file.as_deref().map(ExitFile::create).transpose() {
+        Ok(file) => file,
+        Err(e) => {
+            eprintln!("bulkhead-vmm: error: cannot create the exit file: {e}");
+            return ExitCode::from(EXIT_ERROR as u8);
+        }
+    };
+    let report = run(args, launch).unwrap_or_else(|msg| {
+        eprintln!("bulkhead-vmm: error: {msg}");
+        ExitReport::error(&msg)
+    });
+    if let Some(file) = exit_file {
+        if let Err(e) = file.write(&report) {
+            eprintln!("bulkhead-vmm: cannot write the exit file: {e}");
         }
     }
+    ExitCode::from(u8::try_from(report.exit_code).unwrap_or(EXIT_ERROR as u8))
 }
 
 /// Environment variable naming a file that gets one line per VM this binary boots
@@ -219,6 +239,12 @@ impl BootLog {
     /// Appends that the guest crashed (`pid=<pid> crashed: <how>`).
     fn crash(&mut self, how: &str) {
         self.append(&format!("crashed: {how}"));
+    }
+
+    /// Appends the panic message the guest's console showed (`pid=<pid> console-panic: <text>`,
+    /// guest-written text).
+    fn console_panic(&mut self, text: &str) {
+        self.append(&format!("console-panic: {}", text.escape_debug()));
     }
 
     /// Appends `pid=<pid> <what>` as one line (a single write, so lines never interleave).
@@ -264,7 +290,7 @@ fn stop_on_signals(stop: StopHandle, seccomp: Arc<ThreadFilters>) -> Result<(), 
     }
 }
 
-fn run(args: Args, launch: Launch) -> Result<ExitCode, String> {
+fn run(args: Args, launch: Launch) -> Result<ExitReport, String> {
     let config = args.into_config().map_err(|e| e.to_string())?;
     let seccomp = Arc::new(ThreadFilters::new(launch.seccomp).map_err(|e| e.to_string())?);
     let kvm = host_kvm();
@@ -314,21 +340,15 @@ fn run(args: Args, launch: Launch) -> Result<ExitCode, String> {
             .write_atomic(&path)
             .map_err(|e| format!("cannot write timings: {e}"))?;
     }
-    Ok(match outcome.reason {
-        ExitReason::Reset | ExitReason::PowerOff | ExitReason::Stopped => ExitCode::SUCCESS,
-        ExitReason::GuestCrash => {
-            eprintln!("bulkhead-vmm: the guest crashed");
-            boot_log.crash("triple fault or KVM crash event");
-            ExitCode::from(3)
-        }
-        ExitReason::GuestPanic(reason) => {
-            eprintln!("bulkhead-vmm: the guest crashed: its kernel panicked: {reason}");
-            boot_log.crash(&format!("kernel panic: {reason}"));
-            ExitCode::from(3)
-        }
-        ExitReason::Fatal(msg) => {
-            eprintln!("bulkhead-vmm: the VM failed: {msg}");
-            ExitCode::from(3)
-        }
-    })
+    let report = ExitReport::of_run(&outcome.reason, outcome.console_panic.as_deref());
+    if outcome.reason == ExitReason::GuestCrash {
+        boot_log.crash("triple fault or KVM crash event");
+    }
+    if let Some(text) = &outcome.console_panic {
+        boot_log.console_panic(text);
+    }
+    if !report.is_clean() || report.guest_console_panic.is_some() {
+        eprintln!("bulkhead-vmm: {}", report.describe());
+    }
+    Ok(report)
 }

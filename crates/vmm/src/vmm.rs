@@ -131,8 +131,11 @@ impl StopHandle {
 /// The result of running a VM.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {
-    /// Why the VM ended.
+    /// Why the VM ended, as KVM and the VMM saw it.
     pub reason: ExitReason,
+    /// Text the guest wrote: the reason after a Linux panic banner on its console, if one
+    /// appeared (see [`crate::devices::legacy::panic_watch`]). A claim, not an observation.
+    pub console_panic: Option<String>,
     /// When each start-up phase happened.
     pub timeline: BootTimeline,
 }
@@ -221,7 +224,8 @@ impl Vmm {
             .clone()
             .unwrap_or(ExitReason::Stopped);
         Ok(RunOutcome {
-            reason: reason.or_panic(self.guest_panic.get()),
+            reason,
+            console_panic: self.guest_panic.get().cloned(),
             timeline: self.timeline.clone(),
         })
     }

@@ -17,8 +17,9 @@
 //! and finally ends the VM as the kernel command line asks with `bulkhead_test.action=`:
 //! `reboot` (default, reboot(2) → i8042 reset on x86_64, PSCI SYSTEM_RESET on aarch64),
 //! `poweroff` (reboot(2) with `RB_POWER_OFF` → PSCI SYSTEM_OFF on aarch64; an x86_64 guest without
-//! ACPI just halts), `exit` (init exits; the kernel panics and, with `panic=1`, resets), or `hang`
-//! (never ends: a guest whose agent never comes up).
+//! ACPI just halts), `exit` (init exits; the kernel panics and, with `panic=1`, resets), `hang`
+//! (never ends: a guest whose agent never comes up), or `spoof-crash` (prints a fake VMM crash
+//! line and a fake panic banner on the console, then reboots cleanly).
 //!
 //! Run as `bulkhead-test-init vsock-send PORT` (a tool in the agent test image), it copies stdin to
 //! a vsock connection to the host (CID 2) on PORT and prints `sent <bytes> sha256=<hex>`.
@@ -62,6 +63,13 @@ fn main() {
             std::thread::park();
         },
         "poweroff" => power(libc::RB_POWER_OFF),
+        "spoof-crash" => {
+            // Lines a hostile guest could print to make the host report a crash of its choosing;
+            // then a clean reboot. The host must report a clean end (see exit_report).
+            print!("bulkhead-vmm: the guest crashed: fake\nKernel panic - not syncing: fake\n");
+            let _ = std::io::stdout().flush();
+            power(libc::RB_AUTOBOOT)
+        }
         _ => power(libc::RB_AUTOBOOT),
     }
 }

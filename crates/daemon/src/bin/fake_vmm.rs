@@ -6,7 +6,9 @@
 //! agent's readiness on `<socket>_1025`, and serves Firecracker's hybrid handshake
 //! (`CONNECT 1024\n` → `OK <port>\n`) by handing each connection to the guest agent's own server,
 //! run in this process. Commands therefore run on the host, as the agent's test mode runs them.
-//! SIGTERM ends it, as it ends `bulkhead-vmm`.
+//! SIGTERM ends it, as it ends `bulkhead-vmm`. With `--exit-file FILE` it empties FILE at start
+//! and, when a `Shutdown` request ends the "guest", writes the exit report of a guest reset there,
+//! as `bulkhead-vmm` would (`--timings-json` and the jail's flags are accepted and ignored).
 //!
 //! A clone workspace (a read-only share tagged `workspace`) has no overlay here: the agent
 //! reports the changes of `workspace-upper/` next to the VM configuration (which tests fill as
@@ -17,6 +19,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::OnceLock;
 use std::thread;
 
 use bulkhead_agent::conn::Conn;
@@ -24,6 +27,8 @@ use bulkhead_agent::server::{self, ReadyTarget, ShutdownAction};
 use bulkhead_agent::{clock, reaper, workspace};
 use bulkhead_protocol::{Ready, AGENT_PORT, PROTOCOL_VERSION, READY_PORT};
 use bulkhead_vmm::config::VmConfig;
+use bulkhead_vmm::exit_report::{ExitFile, ExitReport};
+use bulkhead_vmm::ExitReason;
 
 /// Longest handshake line accepted, bytes.
 const MAX_LINE: usize = 64;
@@ -39,8 +44,24 @@ fn main() -> ExitCode {
     }
 }
 
+/// The exit file (`--exit-file`), written when the guest "resets".
+static EXIT_FILE: OnceLock<std::sync::Mutex<Option<ExitFile>>> = OnceLock::new();
+
+/// Ends the process as a guest reset ends `bulkhead-vmm`: the report first, then exit 0.
+fn guest_reset() -> ! {
+    let file = EXIT_FILE.get().and_then(|f| f.lock().ok()?.take());
+    if let Some(file) = file {
+        let _ = file.write(&ExitReport::of_run(&ExitReason::Reset, None));
+    }
+    std::process::exit(0)
+}
+
 fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
-    let config = config_path()?;
+    let Args { config, exit_file } = parse_args()?;
+    if let Some(path) = exit_file {
+        let file = ExitFile::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let _ = EXIT_FILE.set(std::sync::Mutex::new(Some(file)));
+    }
     let vm = VmConfig::from_file(&config).map_err(|e| e.to_string())?;
     let vsock = vm.vsock.ok_or("the VM has no vsock device")?;
     if let Some(share) = vm.shares.iter().find(|s| s.tag == "workspace") {
@@ -84,12 +105,32 @@ fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
     Ok(())
 }
 
-fn config_path() -> Result<PathBuf, String> {
+/// The arguments used.
+struct Args {
+    config: PathBuf,
+    exit_file: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    const USAGE: &str =
+        "usage: bulkhead-fake-vmm --config vm.json [--exit-file FILE] [--timings-json FILE] \
+         [--jail-uid U --jail-gid G --jail-root DIR]";
     let mut args = std::env::args_os().skip(1);
-    match (args.next(), args.next()) {
-        (Some(flag), Some(path)) if flag == "--config" => Ok(PathBuf::from(path)),
-        _ => Err("usage: bulkhead-fake-vmm --config vm.json".into()),
+    let (mut config, mut exit_file) = (None, None);
+    while let Some(flag) = args.next() {
+        let value = args.next().map(PathBuf::from).ok_or(USAGE)?;
+        match flag.to_str() {
+            Some("--config") => config = Some(value),
+            Some("--exit-file") => exit_file = Some(value),
+            // Accepted as bulkhead-vmm accepts them; the fake neither times nor jails itself.
+            Some("--timings-json" | "--jail-uid" | "--jail-gid" | "--jail-root") => {}
+            _ => return Err(USAGE.into()),
+        }
     }
+    Ok(Args {
+        config: config.ok_or(USAGE)?,
+        exit_file,
+    })
 }
 
 /// Answers the hybrid handshake and hands the stream to the agent's request handler.
@@ -104,7 +145,10 @@ fn serve(mut stream: UnixStream) {
     if stream.write_all(b"OK 1073741824\n").is_err() {
         return;
     }
-    server::handle_connection(Conn::new(OwnedFd::from(stream)), ShutdownAction::Exit);
+    server::handle_connection(
+        Conn::new(OwnedFd::from(stream)),
+        ShutdownAction::Call(guest_reset),
+    );
 }
 
 /// Reads `CONNECT <port>\n` one byte at a time (so no byte of the request is consumed).

@@ -12,9 +12,7 @@ use tokio::io::Interest;
 
 use super::images::remove_scratch;
 use super::plan::VmPlan;
-use super::{
-    exit_message, exit_reason, failure, info_of, procs, Entry, EntryInner, Manager, ManagerError,
-};
+use super::{failure, info_of, procs, Entry, EntryInner, Manager, ManagerError};
 use crate::cgroup::{CgroupManager, CgroupSpec, VmCgroup};
 use crate::store::{Phase, Record, Store};
 use crate::util;
@@ -202,14 +200,15 @@ impl Manager {
             if inner.removed || inner.state != SandboxState::Running {
                 return;
             }
-            let exit = match inner.sandbox.as_mut().map(Sandbox::try_wait_exit) {
-                Some(Ok(Some(exit))) => exit,
+            let end = match inner.sandbox.as_mut().map(Sandbox::try_wait_exit) {
+                Some(Ok(Some(end))) => end,
                 _ => return,
             };
-            let reason = exit_reason(exit);
+            // From the VMM's exit status and report, never from vmm.log (the guest's console).
+            let reason = end.reason();
             let runtime_dir = inner.record.sandbox.as_ref().map(|s| s.runtime_dir.clone());
-            let mut fail = failure(reason, String::new(), runtime_dir.as_deref());
-            fail.message = exit_message(exit, &fail.log_tail);
+            let message = format!("the VM ended: {end}");
+            let fail = failure(reason, message, runtime_dir.as_deref());
             tracing::warn!(id = %entry.id, "VM ended ({reason}): {}", fail.message);
             self.inner.metrics.vm_exit(reason);
             // The runtime dir (with vmm.log) stays until DELETE, which removes it by path.

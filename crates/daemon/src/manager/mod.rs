@@ -364,39 +364,6 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
     }
 }
 
-/// The `reason` of a VMM that ended by itself, from its exit status (`bulkhead-vmm`: 0 guest
-/// reboot/power-off, 3 guest crash or fatal VM error, 4 a system call its seccomp filter
-/// blocked, other codes VMM errors).
-fn exit_reason(exit: bulkhead_sandbox::VmmExit) -> &'static str {
-    use bulkhead_sandbox::VmmExit;
-    match exit {
-        VmmExit::Code(0) => "guest_shutdown",
-        VmmExit::Code(3) => "guest_crash",
-        VmmExit::Code(4) => "seccomp_violation",
-        VmmExit::Code(_) => "vmm_error",
-        VmmExit::Signal(_) => "killed",
-        VmmExit::Unknown => "vanished",
-    }
-}
-
-/// The failure message of a VMM that ended by itself: its exit status and, for a seccomp kill,
-/// the blocked system call's number and thread kind as the VMM logged them, e.g. `the VMM ended:
-/// exit code 4: its seccomp filter blocked syscall 41 (vcpu)`; for a guest crash the VMM
-/// described, how (`the VMM ended: exit code 3: the guest crashed: its kernel panicked: ...`).
-fn exit_message(exit: bulkhead_sandbox::VmmExit, log_tail: &str) -> String {
-    let blocked = bulkhead_sandbox::blocked_syscall(log_tail);
-    let crash = bulkhead_sandbox::guest_crash_detail(log_tail);
-    match (exit, blocked, crash) {
-        (bulkhead_sandbox::VmmExit::Code(4), Some(call), _) => {
-            format!("the VMM ended: {exit}: its seccomp filter blocked syscall {call}")
-        }
-        (bulkhead_sandbox::VmmExit::Code(3), _, Some(how)) => {
-            format!("the VMM ended: {exit}: the guest crashed: {how}")
-        }
-        _ => format!("the VMM ended: {exit}"),
-    }
-}
-
 /// Lines of VMM output kept in a failure.
 const FAILURE_LOG_LINES: usize = 30;
 
@@ -407,48 +374,5 @@ fn failure(reason: &str, message: String, runtime_dir: Option<&std::path::Path>)
         log_tail: runtime_dir
             .map(|d| util::tail_lines(&d.join("vmm.log"), FAILURE_LOG_LINES))
             .unwrap_or_default(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use bulkhead_sandbox::VmmExit;
-
-    use super::{exit_message, exit_reason};
-
-    #[test]
-    fn a_seccomp_kill_is_reported_with_the_blocked_syscall() {
-        let log = "guest console line\nbulkhead-vmm: seccomp: blocked syscall 41 (vcpu)\n";
-
-        let reason = exit_reason(VmmExit::Code(4));
-        let message = exit_message(VmmExit::Code(4), log);
-
-        assert_eq!(reason, "seccomp_violation");
-        assert_eq!(
-            message,
-            "the VMM ended: exit code 4: its seccomp filter blocked syscall 41 (vcpu)"
-        );
-    }
-
-    #[test]
-    fn other_exits_are_reported_with_their_status_only() {
-        let log = "bulkhead-vmm: seccomp: blocked syscall 41 (vcpu)\n";
-
-        let message = exit_message(VmmExit::Code(3), log);
-
-        assert_eq!(exit_reason(VmmExit::Code(3)), "guest_crash");
-        assert_eq!(message, "the VMM ended: exit code 3");
-    }
-
-    #[test]
-    fn a_guest_kernel_panic_is_reported_with_its_reason() {
-        let log = "bulkhead-vmm: the guest crashed: its kernel panicked: Attempted to kill init!\n";
-
-        let message = exit_message(VmmExit::Code(3), log);
-
-        assert_eq!(
-            message,
-            "the VMM ended: exit code 3: the guest crashed: its kernel panicked: Attempted to kill init!"
-        );
     }
 }

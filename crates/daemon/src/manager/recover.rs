@@ -104,13 +104,24 @@ impl Manager {
         if let Some(dir) = &runtime_dir {
             remove_scratch(dir); // the logs stay, the dead VM's writable layer goes
         }
+        // The VMM's exit report, if it wrote one, still says how the VM ended.
+        let end = runtime_dir.as_ref().map(|dir| {
+            bulkhead_sandbox::VmEnd::read(
+                bulkhead_sandbox::VmmExit::Unknown,
+                &dir.join(bulkhead_sandbox::EXIT_FILE),
+            )
+        });
+        let (reason, how) = match &end {
+            Some(end) if end.report.is_some() => (end.reason(), format!(": {end}")),
+            _ => ("vanished", String::new()),
+        };
         record.phase = Phase::Failed;
         record.failure = Some(failure(
-            "vanished",
-            format!("the VM ended while the daemon was not running ({why})"),
+            reason,
+            format!("the VM ended while the daemon was not running ({why}){how}"),
             runtime_dir.as_deref(),
         ));
-        self.inner.metrics.vm_exit("vanished");
+        self.inner.metrics.vm_exit(reason);
         log_err(self.inner.store.save(record));
     }
 

@@ -44,6 +44,12 @@ use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
 pub use sigsys::EXIT_BLOCKED_SYSCALL;
 
+/// Makes the SIGSYS handler also write an exit report (see [`crate::exit_report`]) to the open
+/// descriptor `fd`, which must stay open for the life of the process.
+pub fn report_blocked_calls_to(fd: std::os::fd::RawFd) {
+    sigsys::set_report_fd(fd);
+}
+
 use rules::Allowlist;
 
 /// Errors from building or installing filters.

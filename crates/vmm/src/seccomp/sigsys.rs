@@ -8,6 +8,7 @@
 
 use std::cell::Cell;
 use std::io;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use super::ThreadKind;
 
@@ -21,6 +22,16 @@ thread_local! {
     /// The kind of filter this thread installed, for the log line. `const`-initialised and
     /// without a destructor, so reading it is a plain TLS load, safe in a signal handler.
     static KIND: Cell<Option<ThreadKind>> = const { Cell::new(None) };
+}
+
+/// The exit file's descriptor (`bulkhead-vmm --exit-file`), or -1: where the handler writes its
+/// report (see [`crate::exit_report`]). An atomic load is async-signal-safe.
+static REPORT_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// Makes the handler also write its exit report to `fd` (which must stay open for the life of
+/// the process).
+pub(super) fn set_report_fd(fd: libc::c_int) {
+    REPORT_FD.store(fd, Ordering::SeqCst);
 }
 
 /// Records which filter the calling thread runs under.
@@ -53,14 +64,48 @@ extern "C" fn on_sigsys(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
         let info = unsafe { &*info.cast::<SigsysInfo>() };
         (info.code == SYS_SECCOMP).then_some(info.syscall)
     };
+    let kind = KIND.with(Cell::get);
     let mut buf = [0u8; 128];
-    let len = format_message(&mut buf, syscall, KIND.with(Cell::get));
-    // SAFETY: write(2) reads `len` initialised bytes of `buf`; _exit(2) never returns. Both are
-    // async-signal-safe and allowed by every filter.
+    let len = format_message(&mut buf, syscall, kind);
+    let mut report = [0u8; 256];
+    let report_len = format_report(&mut report, syscall, kind);
+    let report_fd = REPORT_FD.load(Ordering::SeqCst);
+    // SAFETY: write(2) reads `len` (`report_len`) initialised bytes of `buf` (`report`); a bad
+    // descriptor only makes it fail; _exit(2) never returns. Both are async-signal-safe and
+    // allowed by every filter.
     unsafe {
         libc::write(libc::STDERR_FILENO, buf.as_ptr().cast(), len);
+        if report_fd >= 0 {
+            libc::write(report_fd, report.as_ptr().cast(), report_len);
+        }
         libc::_exit(EXIT_BLOCKED_SYSCALL);
     }
+}
+
+/// Writes the exit report (`crate::exit_report::ExitReport` as JSON, reason `seccomp`) into
+/// `buf` without allocating; returns its length (truncated to `buf`).
+fn format_report(buf: &mut [u8], syscall: Option<libc::c_int>, kind: Option<ThreadKind>) -> usize {
+    let mut out = Cursor { buf, len: 0 };
+    out.put(b"{\"version\":1,\"reason\":\"seccomp\",\"exit_code\":");
+    out.put_int(i64::from(EXIT_BLOCKED_SYSCALL));
+    let thread = kind
+        .map_or("unfiltered thread", ThreadKind::label)
+        .as_bytes();
+    match syscall {
+        Some(nr) => {
+            out.put(b",\"blocked_syscall\":{\"nr\":");
+            out.put_int(i64::from(nr));
+            out.put(b",\"thread\":\"");
+            out.put(thread);
+            out.put(b"\"}}\n");
+        }
+        None => {
+            out.put(b",\"detail\":\"SIGSYS not sent by a filter (");
+            out.put(thread);
+            out.put(b")\"}\n");
+        }
+    }
+    out.len
 }
 
 /// Writes `bulkhead-vmm: seccomp: blocked syscall N (<kind>)\n` into `buf` without allocating;
@@ -165,6 +210,31 @@ mod tests {
             message(None, Some(ThreadKind::Signal)),
             "bulkhead-vmm: seccomp: SIGSYS not sent by a filter (signal)\n"
         );
+    }
+
+    #[test]
+    fn the_report_is_an_exit_report_naming_the_call() {
+        // Arrange
+        let mut buf = [0u8; 256];
+
+        // Act
+        let len = format_report(&mut buf, Some(41), Some(ThreadKind::Vcpu));
+        let unfiltered = {
+            let mut other = [0u8; 256];
+            let n = format_report(&mut other, None, None);
+            crate::exit_report::ExitReport::parse(&other[..n]).unwrap()
+        };
+
+        // Assert
+        let report = crate::exit_report::ExitReport::parse(&buf[..len]).unwrap();
+        assert_eq!(report.exit_code, EXIT_BLOCKED_SYSCALL);
+        assert_eq!(
+            report.describe(),
+            "the VMM's seccomp filter blocked syscall 41 (vcpu)"
+        );
+        assert!(unfiltered
+            .describe()
+            .contains("not sent by a filter (unfiltered thread)"));
     }
 
     #[test]

@@ -62,10 +62,6 @@ pub enum ExitReason {
     /// triple fault; our `reboot=k` command line resets through the i8042, so a triple fault is a
     /// crash — a guest booted with `reboot=t` is reported as crashed when it reboots).
     GuestCrash,
-    /// The guest's kernel panicked (its console showed Linux's panic banner; the reason that
-    /// followed it is kept, at most 200 bytes) and then reset or powered itself off, as
-    /// `panic=1` makes it. See [`crate::devices::legacy::panic_watch`].
-    GuestPanic(String),
     /// KVM or the vCPU failed; the VM cannot continue.
     Fatal(String),
 }
@@ -74,27 +70,6 @@ impl ExitReason {
     /// Whether the guest ended itself cleanly (reset or power-off).
     pub fn is_clean(&self) -> bool {
         matches!(self, ExitReason::Reset | ExitReason::PowerOff)
-    }
-
-    /// This reason, or [`ExitReason::GuestPanic`] when the guest ended itself "cleanly" after its
-    /// console showed a kernel panic with reason `panic`.
-    ///
-    /// ```
-    /// use bulkhead_vmm::vstate::vcpu::ExitReason;
-    ///
-    /// let panic = "Attempted to kill init!".to_string();
-    /// assert_eq!(
-    ///     ExitReason::Reset.or_panic(Some(&panic)),
-    ///     ExitReason::GuestPanic(panic.clone())
-    /// );
-    /// assert_eq!(ExitReason::Reset.or_panic(None), ExitReason::Reset);
-    /// assert_eq!(ExitReason::Stopped.or_panic(Some(&panic)), ExitReason::Stopped);
-    /// ```
-    pub fn or_panic(self, panic: Option<&String>) -> ExitReason {
-        match panic {
-            Some(reason) if self.is_clean() => ExitReason::GuestPanic(reason.clone()),
-            _ => self,
-        }
     }
 }
 

@@ -1,15 +1,16 @@
-//! Telling a guest kernel panic from a reboot, by watching the serial console.
+//! Noticing what looks like a guest kernel panic on the serial console.
 //!
 //! With `panic=1` (the default command line) a panicking Linux guest resets itself a second
 //! later through the same path as `reboot`: the i8042 reset line on x86_64, PSCI SYSTEM_RESET on
 //! aarch64. KVM and the VMM see the two identically. What differs is the console: before it
 //! resets, a panicking kernel prints its banner `Kernel panic - not syncing: <reason>` at
 //! KERN_EMERG, which reaches the console even under `quiet` (Linux `kernel/panic.c`). The UART's
-//! output passes through a [`PanicWatch`], which remembers the reason after the first banner;
-//! the VMM then reports the VM's end as a guest crash instead of a clean reset.
+//! output passes through a [`PanicWatch`], which remembers the reason after the first banner.
 //!
-//! The console is the guest's: a guest may print the banner without panicking. That only changes
-//! how that guest's own end is reported.
+//! The console is the guest's: any guest process that can write to it can print the banner
+//! without a panic. So the reason is only ever reported as what it is, text the guest wrote
+//! (`guest_console_panic` in the exit report, [`crate::exit_report`]); how the VM ended is what
+//! the VMM observed (a reset), never what the console says.
 
 use std::io::{self, Write};
 use std::sync::{Arc, OnceLock};
