@@ -150,6 +150,19 @@ pub struct EgressProxy {
 /// The Unix socket file a proxy made (path and inode), removed on shutdown.
 type SocketFile = Option<(PathBuf, u64)>;
 
+/// Counts a proxy's live tasks; see [`EgressProxy::task_monitor`].
+#[derive(Clone, Debug)]
+pub struct TaskMonitor {
+    tracker: TaskTracker,
+}
+
+impl TaskMonitor {
+    /// Tasks still running.
+    pub fn live(&self) -> usize {
+        self.tracker.len()
+    }
+}
+
 /// What the proxy thread needs, moved into it.
 struct Startup {
     shared: Shared,
@@ -284,6 +297,14 @@ impl EgressProxy {
     /// Tasks still running (guest connections, tunnels, upstream connections).
     pub fn live_tasks(&self) -> usize {
         self.tracker.len()
+    }
+
+    /// A handle that counts this proxy's live tasks and outlives it (to check that shutdown
+    /// left none).
+    pub fn task_monitor(&self) -> TaskMonitor {
+        TaskMonitor {
+            tracker: self.tracker.clone(),
+        }
     }
 
     /// Stops the proxy and returns once every task has ended, every socket is closed and the

@@ -132,8 +132,8 @@ pub(crate) fn refuse(
     denied(&target.host.to_string(), target.port, decision)
 }
 
-/// Logs a failure (the request was allowed but could not be carried out) and builds its
-/// response.
+/// Logs a failure (the policy allowed the request but it could not be carried out: the log
+/// line says `allow` with the failure as reason and the error status) and builds its response.
 pub(crate) fn fail(
     shared: &Shared,
     target: &Target,
@@ -142,7 +142,7 @@ pub(crate) fn fail(
     why: &str,
     seen: Seen<'_>,
 ) -> Response<Body> {
-    let decision = Decision::deny(None, why);
+    let decision = Decision::allow(None, why);
     let mut line = entry(target, via, &decision, seen);
     line.status = Some(status.as_u16());
     shared.log.record(&line);
