@@ -227,3 +227,68 @@ pub fn read_log_from(reader: impl BufRead, name: &str) -> Result<Vec<LogEntry>, 
     }
     Ok(entries)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(host: &str) -> LogEntry {
+        LogEntry::new(
+            host,
+            443,
+            Via::Tunnel,
+            &Decision::deny(None, "no allow rule matches"),
+        )
+    }
+
+    #[test]
+    fn entries_written_are_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("egress.jsonl");
+        let log = EgressLog::open(&path).unwrap();
+
+        log.record(&line("a.test"));
+        log.record(&line("b.test").with_request("GET", "/x?secret=1"));
+        let entries = read_log(&path).unwrap();
+
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0].host, "a.test");
+        assert_eq!(
+            entries[1].path.as_deref(),
+            Some("/x"),
+            "the query is not logged"
+        );
+        assert!(entries[0].time.ends_with('Z'));
+    }
+
+    #[test]
+    fn a_line_that_is_not_an_entry_is_an_error_naming_the_line() {
+        let text = format!(
+            "{}\nnot json\n",
+            serde_json::to_string(&line("a.test")).unwrap()
+        );
+
+        let err = read_log_from(text.as_bytes(), "egress.jsonl")
+            .unwrap_err()
+            .to_string();
+
+        assert!(err.contains("egress.jsonl, line 2"), "{err}");
+    }
+
+    #[test]
+    fn the_log_stops_growing_at_its_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("egress.jsonl");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(MAX_LOG_BYTES - 10)
+            .unwrap();
+        let log = EgressLog::open(&path).unwrap();
+
+        log.record(&line("a.test"));
+        log.record(&line("b.test"));
+
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert!(size <= MAX_LOG_BYTES + 64, "{size}");
+    }
+}

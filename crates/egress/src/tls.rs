@@ -38,8 +38,9 @@ pub enum TlsError {
     /// The guest closed the connection or an I/O error happened before a whole ClientHello.
     #[error("reading the ClientHello: {0}")]
     Io(#[from] std::io::Error),
-    /// More than [`MAX_CLIENT_HELLO`] bytes without a whole ClientHello.
-    #[error("the ClientHello is larger than 32 KiB")]
+    /// More than [`MAX_CLIENT_HELLO`] bytes (or more than rustls buffers) without a whole
+    /// ClientHello.
+    #[error("the ClientHello is too large")]
     TooLarge,
     /// The bytes are not a TLS ClientHello rustls accepts.
     #[error("not a TLS ClientHello: {0}")]
@@ -86,7 +87,8 @@ pub(crate) async fn read_client_hello<S: AsyncRead + Unpin>(
         buffered.extend_from_slice(&chunk[..n]);
         let mut rest = &chunk[..n];
         while !rest.is_empty() {
-            if acceptor.read_tls(&mut rest)? == 0 {
+            // Reading from a slice fails only when rustls's own buffer is full.
+            if acceptor.read_tls(&mut rest).map_err(|_| TlsError::TooLarge)? == 0 {
                 break;
             }
         }
@@ -290,4 +292,48 @@ pub fn roots_from_pem(pem: &str) -> Result<RootCertStore, TlsError> {
         ));
     }
     Ok(roots)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn bytes_that_are_not_tls_are_refused() {
+        let mut input: &[u8] = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+
+        let err = read_client_hello(&mut input).await.unwrap_err();
+
+        assert!(matches!(err, TlsError::NotTls(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_hello_larger_than_the_limit_is_cut() {
+        let mut input = Vec::new();
+        for index in 0..4 {
+            input.extend_from_slice(&[0x16, 0x03, 0x01, 0x40, 0x00]);
+            let mut payload = vec![0u8; 0x4000];
+            if index == 0 {
+                payload[..4].copy_from_slice(&[0x01, 0x00, 0xff, 0xf0]);
+            }
+            input.extend_from_slice(&payload);
+        }
+        let mut reader: &[u8] = &input;
+
+        let err = read_client_hello(&mut reader).await.unwrap_err();
+
+        assert!(matches!(err, TlsError::TooLarge), "{err}");
+    }
+
+    #[test]
+    fn leaf_certificates_are_cached_per_host() {
+        let authority = Authority::new().unwrap();
+        let host = HostName::parse("api.test").unwrap();
+
+        let first = authority.server_config(&host).unwrap();
+        let second = authority.server_config(&host).unwrap();
+
+        assert!(Arc::ptr_eq(&first, &second));
+        assert!(authority.ca_pem().contains("BEGIN CERTIFICATE"));
+    }
 }

@@ -12,6 +12,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
+use super::connect::SPLICE_BUFFER;
 use super::shared::{counted, Body, Conn, LogGuard, Shared};
 use crate::policy::{HostName, VettedAddr};
 
@@ -365,7 +366,13 @@ pub(crate) fn splice_upgrade(
             return;
         };
         let (mut guest, mut upstream) = (TokioIo::new(guest), TokioIo::new(upstream));
-        if let Ok((up, down)) = tokio::io::copy_bidirectional(&mut guest, &mut upstream).await {
+        let copied = tokio::io::copy_bidirectional_with_sizes(
+            &mut guest,
+            &mut upstream,
+            SPLICE_BUFFER,
+            SPLICE_BUFFER,
+        );
+        if let Ok((up, down)) = copied.await {
             guard.up.fetch_add(up, std::sync::atomic::Ordering::Relaxed);
             guard
                 .down

@@ -134,6 +134,7 @@ impl TestServer {
         tokio::spawn(async move {
             loop {
                 let (tcp, _) = tls_listener.accept().await.unwrap();
+                tcp.set_nodelay(true).unwrap();
                 let (acceptor, state) = (acceptor.clone(), for_tls.clone());
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(tcp).await else {
@@ -148,6 +149,7 @@ impl TestServer {
         tokio::spawn(async move {
             loop {
                 let (tcp, _) = http_listener.accept().await.unwrap();
+                tcp.set_nodelay(true).unwrap();
                 tokio::spawn(serve_http(tcp, for_http.clone(), false));
             }
         });
