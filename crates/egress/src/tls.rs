@@ -88,7 +88,11 @@ pub(crate) async fn read_client_hello<S: AsyncRead + Unpin>(
         let mut rest = &chunk[..n];
         while !rest.is_empty() {
             // Reading from a slice fails only when rustls's own buffer is full.
-            if acceptor.read_tls(&mut rest).map_err(|_| TlsError::TooLarge)? == 0 {
+            if acceptor
+                .read_tls(&mut rest)
+                .map_err(|_| TlsError::TooLarge)?
+                == 0
+            {
                 break;
             }
         }

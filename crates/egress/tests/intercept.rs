@@ -338,3 +338,52 @@ async fn a_spliced_host_keeps_the_servers_own_certificate() {
     assert_eq!(trusted_by_test_ca.status, StatusCode::OK);
     assert!(with_proxy_ca.is_err(), "no proxy CA signs spliced hosts");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_certificate_the_proxy_does_not_trust_gets_502() {
+    let ca = TestCa::new();
+    let server = TestServer::start(&ca).await;
+    let port = server.tls_port;
+    let spec = NetworkSpec {
+        mode: NetworkMode::Allowlist,
+        allow_cidr: vec!["127.0.0.1/32".into()],
+        rules: vec![RuleSpec {
+            host: format!("api.test:{port}"),
+            methods: vec!["GET".into()],
+            ..RuleSpec::default()
+        }],
+        ..NetworkSpec::default()
+    };
+    let options = ProxyOptions {
+        upstream_roots: Some(TestCa::new().roots()),
+        ..ProxyOptions::default()
+    };
+    let proxy = TestProxy::start(&spec, &ca, options);
+
+    let got = https_get(&proxy, "api.test", port, "/", &[], proxy.ca_roots()).await;
+
+    assert_eq!(got.status, StatusCode::BAD_GATEWAY);
+    assert!(
+        got.body.contains("TLS with the upstream failed"),
+        "{}",
+        got.body
+    );
+    assert!(server.state.seen().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_inside_an_intercepted_tunnel_is_refused() {
+    let ca = TestCa::new();
+    let server = TestServer::start(&ca).await;
+    let proxy = secret_setup(&server, &ca);
+    let host = format!("api.test:{}", server.tls_port);
+
+    let tunnel = connect_tunnel(&proxy, &host).await.unwrap();
+    let stream = tls(tunnel, "api.test", proxy.ca_roots(), &[b"http/1.1"])
+        .await
+        .unwrap();
+    let got = http1(stream, request(Method::CONNECT, &host, &[("host", &host)])).await;
+
+    assert_eq!(got.status, StatusCode::FORBIDDEN);
+    assert!(server.state.seen().is_empty());
+}

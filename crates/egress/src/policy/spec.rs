@@ -131,6 +131,19 @@ impl NetworkSpec {
         NetworkSpec::from_toml_str(&text, &shown)
     }
 
+    /// Adds `other`'s rules and secrets to this spec (command-line flags on top of a policy
+    /// file); `other`'s mode wins unless it is `none`.
+    pub fn merge(&mut self, other: NetworkSpec) {
+        if other.mode != NetworkMode::None {
+            self.mode = other.mode;
+        }
+        self.allow.extend(other.allow);
+        self.deny.extend(other.deny);
+        self.allow_cidr.extend(other.allow_cidr);
+        self.rules.extend(other.rules);
+        self.secrets.extend(other.secrets);
+    }
+
     /// The secret names this spec refers to (for callers that look values up).
     pub fn secret_names(&self) -> impl Iterator<Item = &str> {
         self.secrets.iter().map(|s| s.name.as_str())

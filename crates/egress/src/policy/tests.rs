@@ -566,6 +566,21 @@ fn policy_files_parse_and_refuse_unknown_keys() {
 }
 
 #[test]
+fn flags_merge_on_top_of_a_policy_file() {
+    let mut file = NetworkSpec::from_toml_str("allow = [\"a.example.com\"]\n", "p.toml").unwrap();
+    let flags = NetworkSpec {
+        deny: vec!["b.example.com".into()],
+        ..allowlist(&["c.example.com"])
+    };
+
+    file.merge(flags);
+
+    assert_eq!(file.mode, NetworkMode::Allowlist);
+    assert_eq!(file.allow, ["a.example.com", "c.example.com"]);
+    assert_eq!(file.deny, ["b.example.com"]);
+}
+
+#[test]
 fn network_modes_parse_from_flags() {
     assert_eq!(
         "allowlist".parse::<NetworkMode>().unwrap(),

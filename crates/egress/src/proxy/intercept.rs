@@ -12,7 +12,7 @@ use hyper::header::HOST;
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper::upgrade::Upgraded;
-use hyper::{Request, Response, StatusCode};
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio_rustls::TlsAcceptor;
 
@@ -125,6 +125,10 @@ impl Intercepted {
             .map_or("/", |p| p.as_str())
             .to_owned();
         let seen = Some((method.as_str(), path_and_query.as_str()));
+        if req.method() == Method::CONNECT {
+            let refused = Decision::deny(None, "CONNECT inside an intercepted tunnel");
+            return refuse(shared, target, Via::Intercepted, &refused, seen);
+        }
         if let Err(why) = self.check_authority(&req) {
             return misdirected(conn, target, &why, seen);
         }

@@ -321,6 +321,8 @@ pub struct ProxyOptions {
     pub values: SecretValues,
     pub max_connections: usize,
     pub idle_timeout: Duration,
+    /// Upstream trust roots; `None`: the test CA's.
+    pub upstream_roots: Option<RootCertStore>,
 }
 
 impl Default for ProxyOptions {
@@ -330,6 +332,7 @@ impl Default for ProxyOptions {
             values: SecretValues::new(),
             max_connections: bulkhead_egress::proxy::DEFAULT_MAX_CONNECTIONS,
             idle_timeout: bulkhead_egress::proxy::DEFAULT_IDLE_TIMEOUT,
+            upstream_roots: None,
         }
     }
 }
@@ -342,7 +345,7 @@ impl TestProxy {
         let policy = spec.compile(&options.values).unwrap();
         let mut config = ProxyConfig::new(policy, Listen::Unix(socket.clone()), log.clone());
         config.resolver = Some(Arc::new(options.resolver));
-        config.upstream_roots = Some(ca.roots());
+        config.upstream_roots = Some(options.upstream_roots.unwrap_or_else(|| ca.roots()));
         config.max_connections = options.max_connections;
         config.idle_timeout = options.idle_timeout;
         let proxy = EgressProxy::start(config).unwrap();
