@@ -46,7 +46,7 @@ pub struct CreateArgs {
     #[arg(long, value_name = "MIB", default_value_t = 256)]
     memory: u32,
     /// Host CPU quota as a fraction of one CPU (e.g. 0.5).
-    #[arg(long, value_name = "FRACTION", value_parser = cpu_fraction)]
+    #[arg(long, value_name = "FRACTION", value_parser = crate::run::parse_cpu_quota)]
     cpu_quota: Option<f64>,
     /// Most host tasks (threads) of the VMM process.
     #[arg(long, value_name = "N")]
@@ -75,6 +75,16 @@ pub struct CreateArgs {
     /// daemon's mount_roots).
     #[arg(long = "mount", value_name = "HOST_DIR:GUEST_DIR[:ro]")]
     mounts: Vec<Mount>,
+    /// The guest's hostname [default: bh-<id>].
+    #[arg(long, value_name = "NAME")]
+    hostname: Option<String>,
+    /// Working directory of every exec that names none [default: /workspace with
+    /// --workspace, else /].
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<String>,
+    /// Guest user of every exec that names none (name, uid or uid:gid) [default: root].
+    #[arg(long, short = 'u', value_name = "USER")]
+    user: Option<String>,
     /// Destroy the sandbox after this many seconds.
     #[arg(long, value_name = "SECS")]
     ttl: Option<u64>,
@@ -126,18 +136,6 @@ pub struct ExecArgs {
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<String>,
-}
-
-/// `create --cpu-quota`: a finite, positive fraction of one CPU. `nan` and `inf` parse as `f64`
-/// but have no JSON form (they would reach the daemon as `null`, no quota at all); the daemon
-/// checks the range.
-fn cpu_fraction(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(q) if q.is_finite() && q > 0.0 => Ok(q),
-        _ => Err(format!(
-            "'{s}' is not a positive fraction of one CPU (e.g. 0.5)"
-        )),
-    }
 }
 
 /// `exec --timeout`: seconds as `bulkhead run --timeout` takes them (at least 0.001).
@@ -230,6 +228,9 @@ fn create_spec(args: &CreateArgs) -> Result<CreateSandbox, String> {
             .iter()
             .map(mount_spec)
             .collect::<Result<_, _>>()?,
+        hostname: args.hostname.clone(),
+        workdir: args.workdir.clone(),
+        user: args.user.clone(),
     })
 }
 

@@ -6,11 +6,14 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bulkhead_image::StoreError;
 use bulkhead_protocol::client::{ExecEvent, ExecWriter, DEFAULT_TIMEOUT};
 use bulkhead_protocol::{ExecRequest, ExitStatus};
+use bulkhead_sandbox::spec::{self, new_id};
 use bulkhead_sandbox::storage::MIN_SCRATCH_MIB;
-use bulkhead_sandbox::{Mount, Sandbox, SandboxConfig, Storage, Workspace};
+use bulkhead_sandbox::{
+    ExecDefaults, FileRef, HostSettings, Mount, Recipe, ResourceLimits, Sandbox, SandboxSpec,
+    Workspace,
+};
 use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
@@ -20,6 +23,7 @@ use closed_stdio::Output;
 use output::{forward_stdin, write_out};
 
 pub(crate) mod closed_stdio;
+mod limits;
 pub(crate) mod output;
 pub(crate) mod watchdog;
 
@@ -67,6 +71,16 @@ pub struct RunArgs {
     /// User to run as in the guest (name, uid or uid:gid).
     #[arg(long, short = 'u')]
     user: Option<String>,
+    /// The guest's hostname [default: bh-<sandbox id>].
+    #[arg(long, value_name = "NAME", value_parser = parse_hostname)]
+    hostname: Option<String>,
+    /// Limit the VMM process to this fraction of one host CPU (0.5 = half a CPU; a cgroup CPU
+    /// quota over a 100 ms period). Needs root: it is a cgroup limit.
+    #[arg(long, value_name = "FRACTION", value_parser = parse_cpu_quota)]
+    cpu_quota: Option<f64>,
+    /// Limit the VMM process to this many tasks (cgroup `pids.max`). Needs root.
+    #[arg(long, value_name = "N")]
+    pids_max: Option<u32>,
     /// Keep the guest's serial console in this file (off by default). The default command line
     /// has `quiet`, so a good boot writes little or nothing; add `--kernel-arg loglevel=7` for
     /// the whole boot log.
@@ -125,7 +139,8 @@ fn parse_env(s: &str) -> Result<String, String> {
 }
 
 /// `--kernel-arg`: one parameter of the guest kernel's command line, so no whitespace (which
-/// would split it into several) and no NUL byte.
+/// would split it into several) and no NUL byte, and not one of the agent's `bulkhead.` keys
+/// (the spec's rule, [`spec::check_kernel_arg`]).
 pub(crate) fn parse_kernel_arg(s: &str) -> Result<String, String> {
     if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c == '\0') {
         return Err(format!(
@@ -133,31 +148,54 @@ pub(crate) fn parse_kernel_arg(s: &str) -> Result<String, String> {
              --kernel-arg once per parameter"
         ));
     }
+    spec::check_kernel_arg(s).map_err(|e| e.to_string())?;
     Ok(s.to_owned())
 }
 
-/// `--vcpus`: 1..=[`MAX_VCPUS`].
+/// `--vcpus`: 1..=[`MAX_VCPUS`] ([`spec::check_vcpus`]).
 fn parse_vcpus(s: &str) -> Result<u8, String> {
     let range = format!("between 1 and {MAX_VCPUS} (the VMM's limit)");
-    match s.parse::<u64>() {
-        Ok(n) if (1..=u64::from(MAX_VCPUS)).contains(&n) => Ok(n as u8),
-        Ok(_) => Err(format!("the number of vCPUs must be {range}")),
-        Err(_) => Err(format!("`{s}` is not a whole number; it must be {range}")),
-    }
+    let n = match s.parse::<u64>() {
+        Ok(n) => u8::try_from(n).unwrap_or(0),
+        Err(_) => return Err(format!("`{s}` is not a whole number; it must be {range}")),
+    };
+    spec::check_vcpus(n).map_err(|e| e.to_string())?;
+    Ok(n)
 }
 
-/// `--memory`: MiB within the VMM's [`MIN_MEMORY_MIB`]..=[`MAX_MEMORY_MIB`].
+/// `--memory`: MiB within the VMM's limits ([`spec::check_memory_mib`]).
 fn parse_memory(s: &str) -> Result<u32, String> {
-    let range = format!("between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB} MiB (the VMM's limits)");
-    match s.parse::<u64>() {
-        Ok(n) if (u64::from(MIN_MEMORY_MIB)..=u64::from(MAX_MEMORY_MIB)).contains(&n) => {
-            Ok(n as u32)
+    let n = match s.parse::<u64>() {
+        Ok(n) => u32::try_from(n).unwrap_or(u32::MAX),
+        Err(_) => {
+            return Err(format!(
+                "`{s}` is not a whole number of MiB; it must be between {MIN_MEMORY_MIB} and \
+                 {MAX_MEMORY_MIB} MiB (the VMM's limits)"
+            ))
         }
-        Ok(_) => Err(format!("guest memory must be {range}")),
-        Err(_) => Err(format!(
-            "`{s}` is not a whole number of MiB; it must be {range}"
-        )),
-    }
+    };
+    spec::check_memory_mib(n).map_err(|e| e.to_string())?;
+    Ok(n)
+}
+
+/// `--hostname`: 1-64 of `[A-Za-z0-9.-]` (the boot parameter's rule).
+fn parse_hostname(s: &str) -> Result<String, String> {
+    bulkhead_protocol::boot::check_hostname(s).map_err(|e| e.to_string())?;
+    Ok(s.to_owned())
+}
+
+/// `--cpu-quota` (of `run` and `create`): a fraction of one host CPU within the spec's range
+/// ([`spec::check_limits`]).
+pub(crate) fn parse_cpu_quota(s: &str) -> Result<f64, String> {
+    let quota: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a positive fraction of one CPU (e.g. 0.5)"))?;
+    let limits = ResourceLimits {
+        cpu_quota: Some(quota),
+        pids_max: None,
+    };
+    spec::check_limits(&limits, 1).map_err(|e| e.to_string())?;
+    Ok(quota)
 }
 
 /// `--disk`: MiB, at least the sandbox's [`MIN_SCRATCH_MIB`] (whether the file system has room
@@ -192,30 +230,29 @@ pub(crate) fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
 /// # Errors
 /// A message for everything that is bulkhead's failure rather than the command's.
 pub fn run(args: RunArgs) -> Result<u8, String> {
-    let mut config = sandbox_config(&args)?;
-    let request = exec_request(&args)?;
-    let storage = storage(&args)?;
-    // Bad images, disks and boot files are the user's to fix on any host: report them first.
-    bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
-    bulkhead_sandbox::mounts::check(&config.mounts).map_err(|e| e.to_string())?;
-    bulkhead_sandbox::workspace::check(config.workspace.as_ref(), &config.mounts)
-        .map_err(|e| e.to_string())?;
+    let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
+    // Bad images, disks, shares and boot files are the user's to fix on any host: `build`
+    // reports them before anything host-specific.
+    let mut recipe = recipe(&args, &id)?;
+    let request = exec_request(&args, &recipe.exec);
     let export_to = run_export::target(
         args.export_patch.as_deref(),
         args.export_tar.as_deref(),
-        config.workspace.as_ref(),
+        recipe.config.workspace.as_ref(),
     )?;
     if let Some(console) = &args.console {
         run_export::check_output_file("the console", console)?;
     }
-    config.check_files().map_err(|e| e.to_string())?;
+    limits::check_allowed(&recipe)?;
     require_bootable_kvm_for(&user_words(), &args)?;
     // This run's own directory for the sandbox's runtime files, so a signal during the boot
     // can remove them (see `signals`); removed at the end of a normal run too.
-    let run_dir = rundir::create(&config.runtime_dir)?;
-    config.runtime_dir = run_dir.path().to_owned();
+    let run_dir = rundir::create(&recipe.config.runtime_dir)?;
+    recipe.config.runtime_dir = run_dir.path().to_owned();
+    // The VMM's cgroup with the run's limits, if it asked for any; removed when the run ends.
+    let _cgroup = limits::apply(&mut recipe)?;
     let router = SignalRouter::install(run_dir.path().to_owned())?;
-    let mut sandbox = match Sandbox::start_with(&config, &storage) {
+    let mut sandbox = match Sandbox::start_with(&recipe.config, &recipe.storage) {
         Ok(sandbox) => sandbox,
         Err(e) => {
             router.boot_failed();
@@ -386,26 +423,64 @@ fn shell_quote(word: &str) -> String {
     shlex::try_quote(word).map_or_else(|_| "''".to_owned(), |q| q.into_owned())
 }
 
-fn sandbox_config(args: &RunArgs) -> Result<SandboxConfig, String> {
-    let mut config = SandboxConfig {
+/// The sandbox `bulkhead run` asks for: its flags as a [`SandboxSpec`] (no labels: a run is
+/// gone when it ends).
+fn sandbox_spec(args: &RunArgs) -> SandboxSpec {
+    let env = args
+        .env
+        .iter()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    SandboxSpec {
         vcpus: args.vcpus,
         memory_mib: args.memory,
-        ready_timeout: args.boot_timeout,
+        kernel: args.kernel.clone().map(FileRef::Path),
+        image: args.image.as_deref().map(image_ref),
+        disk_mib: args.scratch_mib,
+        disk_files: args.disk_files.clone(),
+        env,
+        workdir: args.workdir.clone(),
+        user: args.user.clone(),
         mounts: args.mounts.clone(),
         workspace: args.workspace.clone(),
-        extra_cmdline: args.kernel_args.clone(),
-        ..SandboxConfig::default()
-    };
-    if let Some(kernel) = &args.kernel {
-        config.kernel = kernel.clone();
+        limits: ResourceLimits {
+            cpu_quota: args.cpu_quota,
+            pids_max: args.pids_max,
+        },
+        hostname: args.hostname.clone(),
+        labels: Default::default(),
+        kernel_args: args.kernel_args.clone(),
     }
+}
+
+/// `--image`: a path when it contains a slash, else a name of the image store (or, when the
+/// store has none of that name, a file of that name in the working directory).
+pub(crate) fn image_ref(value: &str) -> FileRef {
+    match value.contains('/') {
+        true => FileRef::Path(PathBuf::from(value)),
+        false => FileRef::Name(value.to_owned()),
+    }
+}
+
+/// This machine's settings for a run: the defaults, with `--initrd`, the boot timeout and the
+/// console.
+fn host_settings(args: &RunArgs) -> HostSettings {
+    let mut host = HostSettings::local();
+    host.ready_timeout = args.boot_timeout;
     if let Some(initrd) = &args.initrd {
-        config.initrd = initrd.clone();
+        host.initrd = initrd.clone();
     }
     if let Some(console) = &args.console {
-        config.console = SerialOutput::File(console.clone());
+        host.console = SerialOutput::File(console.clone());
     }
-    Ok(config)
+    host
+}
+
+/// The recipe of sandbox `id` for `args` (everything checked, nothing started).
+fn recipe(args: &RunArgs, id: &str) -> Result<Recipe, String> {
+    bulkhead_sandbox::build(&sandbox_spec(args), &host_settings(args), id)
+        .map_err(|e| e.to_string())
 }
 
 /// The environment variables that override the default kernel, initramfs and VMM
@@ -455,65 +530,19 @@ fn testhost_hint_with(verb: &str, shares: &[PathBuf], env: &[(&str, PathBuf)]) -
     )
 }
 
-fn storage(args: &RunArgs) -> Result<Storage, String> {
-    Ok(Storage {
-        root_image: args.image.as_deref().map(resolve_image).transpose()?,
-        scratch_mib: args.scratch_mib,
-        data_disks: args.disk_files.clone(),
-    })
-}
-
-/// The ext4 file of `--image`: a path when it contains a slash, else an image in the store
-/// (or, when the store has none of that name, a file of that name in the working directory).
-pub(crate) fn resolve_image(value: &str) -> Result<PathBuf, String> {
-    if value.contains('/') {
-        return Ok(PathBuf::from(value));
-    }
-    match crate::image_cmds::store().get(value) {
-        Ok(image) => Ok(image.rootfs),
-        Err(StoreError::NotFound { .. } | StoreError::Spec(_)) if Path::new(value).is_file() => {
-            Ok(PathBuf::from(value))
-        }
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-fn exec_request(args: &RunArgs) -> Result<ExecRequest, String> {
-    let mut request = ExecRequest::new(args.command.clone());
-    request.env = default_env(&args.env, args.user.is_none());
-    request.cwd = match (&args.workdir, &args.workspace) {
-        (Some(dir), _) => Some(dir.clone()),
-        (None, Some(_)) => Some(bulkhead_sandbox::workspace::GUEST_DIR.to_owned()),
-        (None, None) => None,
-    };
-    request.user = args.user.clone();
+/// The command's request: the sandbox's command defaults ([`ExecDefaults::request`]) with our
+/// stdin forwarded, `--timeout`, and the end of `docker run`.
+fn exec_request(args: &RunArgs, defaults: &ExecDefaults) -> ExecRequest {
+    let mut request = defaults.request(args.command.clone(), &Default::default(), None, None);
     request.stdin = true;
     request.timeout_ms = args
         .timeout
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     // Like `docker run`: the run ends with the command; its leftover background processes die
     // (with the VM, which is destroyed right after anyway) instead of holding the output open.
+    // (A daemon exec is `docker exec`: it waits for every holder of the output; docs/daemon.md.)
     request.kill_group_on_exit = true;
-    Ok(request)
-}
-
-/// The guest command's environment: a sensible base (PATH, TERM, and HOME=/root when it runs
-/// as root, i.e. `as_root`) overridden by `-e`. For another `--user` the agent sets HOME from
-/// the guest's /etc/passwd.
-fn default_env(overrides: &[String], as_root: bool) -> Vec<String> {
-    let mut env = vec![
-        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
-        "TERM=dumb".to_owned(),
-    ];
-    if as_root {
-        env.push("HOME=/root".to_owned());
-    }
-    for kv in overrides {
-        let key = kv.split('=').next().unwrap_or_default();
-        env.retain(|e| e.split('=').next() != Some(key));
-        env.push(kv.clone());
-    }
-    env
+    request
 }
 
 /// How long connecting to the agent and each blocking read or write of the exec request may
@@ -639,3 +668,6 @@ fn exit_code(status: &ExitStatus) -> u8 {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod sameness_tests;

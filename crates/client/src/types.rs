@@ -90,6 +90,16 @@ pub struct CreateSandbox {
     /// inside one of the daemon's `mount_roots`).
     #[serde(default)]
     pub mounts: Vec<MountSpec>,
+    /// The guest's hostname (1-64 of `[A-Za-z0-9.-]`). None: `bh-<id>`.
+    #[serde(default)]
+    pub hostname: Option<String>,
+    /// Working directory of every exec that names none (absolute). None: `/workspace` with a
+    /// workspace, else `/`.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Guest user of every exec that names none: name, uid or uid:gid. None: root.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 impl Default for CreateSandbox {
@@ -107,6 +117,9 @@ impl Default for CreateSandbox {
             labels: BTreeMap::new(),
             workspace: None,
             mounts: Vec::new(),
+            hostname: None,
+            workdir: None,
+            user: None,
         }
     }
 }
@@ -150,8 +163,9 @@ impl SandboxState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Failure {
-    /// Short machine-readable reason: `start_failed`, `guest_shutdown`, `vmm_error`,
-    /// `guest_crash`, `seccomp_violation`, `killed`, `vanished`.
+    /// Short machine-readable reason: `guest_shutdown`, `stopped`, `guest_crash`,
+    /// `seccomp_violation`, `vmm_error`, `killed`, `vanished` (see docs/daemon.md), or
+    /// `destroy_failed`.
     pub reason: String,
     /// Human-readable detail (the VMM's exit status or the start error; for
     /// `seccomp_violation`, the blocked system call's number and thread kind).
@@ -203,9 +217,12 @@ pub struct SandboxInfo {
     /// The workspace given at creation.
     #[serde(default)]
     pub workspace: Option<WorkspaceSpec>,
-    /// The host directories given at creation.
+    /// The host directories given at creation (host paths resolved).
     #[serde(default)]
     pub mounts: Vec<MountSpec>,
+    /// The guest's hostname.
+    #[serde(default)]
+    pub hostname: Option<String>,
     /// Host limits of the VMM process.
     pub limits: Limits,
     /// Host process ID of the VMM while it runs: with the jail (a daemon running as root), the

@@ -10,7 +10,7 @@
 #![deny(missing_docs)]
 
 pub mod api;
-pub mod cgroup;
+pub use bulkhead_sandbox::cgroup;
 pub mod config;
 pub mod listener;
 pub mod manager;

@@ -2,13 +2,18 @@
 //! written atomically (a temporary file renamed over the old one) before the resources they name
 //! exist, and removed only after those resources are gone. A restarted daemon reads them to
 //! adopt or clean up every VM of the previous run.
+//!
+//! A record holds the sandbox's [`SandboxSpec`] (the domain type every front end builds VMs
+//! from), not the HTTP request, and carries its format version, `schema`
+//! ([`RECORD_SCHEMA`]). Version 1 records (before the field existed, with the create request
+//! as `spec`) are migrated when read ([`Record::parse`]).
 
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use bulkhead_client::{CreateSandbox, Failure, Limits};
-use bulkhead_sandbox::SandboxState;
+use bulkhead_sandbox::{SandboxSpec, SandboxState};
 use serde::{Deserialize, Serialize};
 
 use crate::cgroup::CgroupSpec;
@@ -42,13 +47,19 @@ pub enum Phase {
     Failed,
 }
 
+/// The record format this daemon writes.
+pub const RECORD_SCHEMA: u32 = 2;
+
 /// Everything the daemon needs to adopt or clean up one sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Record {
+    /// Format version: [`RECORD_SCHEMA`].
+    pub schema: u32,
     /// Sandbox ID.
     pub id: String,
-    /// The creation request.
-    pub spec: CreateSandbox,
+    /// The sandbox as asked for (host paths of its shares resolved).
+    pub spec: SandboxSpec,
     /// Creation time, ms since the Unix epoch.
     pub created_at_ms: u64,
     /// TTL deadline, ms since the Unix epoch.
@@ -65,6 +76,73 @@ pub struct Record {
     pub sandbox: Option<SandboxState>,
     /// Set when failed.
     pub failure: Option<Failure>,
+}
+
+/// A version 1 record: the same fields without `schema`, with the create request as `spec`.
+#[derive(Debug, Deserialize)]
+struct RecordV1 {
+    id: String,
+    spec: CreateSandbox,
+    created_at_ms: u64,
+    expires_at_ms: Option<u64>,
+    phase: Phase,
+    runtime_parent: PathBuf,
+    cgroup: Option<CgroupSpec>,
+    limits: Limits,
+    sandbox: Option<SandboxState>,
+    failure: Option<Failure>,
+}
+
+/// Errors reading a record.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The file is not JSON, or not a record of a known version.
+    #[error("not a sandbox record: {0}")]
+    Malformed(String),
+    /// A version this daemon does not know (a newer daemon wrote it).
+    #[error("record schema {0} is newer than this daemon's ({RECORD_SCHEMA})")]
+    Newer(u32),
+}
+
+impl Record {
+    /// Reads a record of any known version, migrating older ones to [`RECORD_SCHEMA`].
+    ///
+    /// # Errors
+    /// [`RecordError`].
+    pub fn parse(bytes: &[u8]) -> Result<Record, RecordError> {
+        let malformed = |e: serde_json::Error| RecordError::Malformed(e.to_string());
+        let value: serde_json::Value = serde_json::from_slice(bytes).map_err(malformed)?;
+        match value.get("schema").map(serde_json::Value::as_u64) {
+            None => Ok(serde_json::from_value::<RecordV1>(value)
+                .map_err(malformed)?
+                .migrate()),
+            Some(Some(v)) if v == u64::from(RECORD_SCHEMA) => {
+                serde_json::from_value(value).map_err(malformed)
+            }
+            Some(Some(v)) if v > u64::from(RECORD_SCHEMA) => {
+                Err(RecordError::Newer(u32::try_from(v).unwrap_or(u32::MAX)))
+            }
+            Some(_) => Err(RecordError::Malformed("bad schema field".to_owned())),
+        }
+    }
+}
+
+impl RecordV1 {
+    fn migrate(self) -> Record {
+        Record {
+            schema: RECORD_SCHEMA,
+            spec: crate::manager::plan::spec_of(&self.spec),
+            id: self.id,
+            created_at_ms: self.created_at_ms,
+            expires_at_ms: self.expires_at_ms,
+            phase: self.phase,
+            runtime_parent: self.runtime_parent,
+            cgroup: self.cgroup,
+            limits: self.limits,
+            sandbox: self.sandbox,
+            failure: self.failure,
+        }
+    }
 }
 
 /// The record directory, locked for this daemon's lifetime.
@@ -151,7 +229,7 @@ impl Store {
             if !is_record {
                 continue;
             }
-            match fs::read(&path).map(|b| serde_json::from_slice::<Record>(&b)) {
+            match fs::read(&path).map(|b| Record::parse(&b)) {
                 Ok(Ok(record)) => records.push(record),
                 Ok(Err(e)) => tracing::error!("ignoring unreadable record {}: {e}", path.display()),
                 Err(e) => tracing::error!("cannot read {}: {e}", path.display()),
@@ -202,8 +280,9 @@ mod tests {
 
     fn record(id: &str) -> Record {
         Record {
+            schema: RECORD_SCHEMA,
             id: id.to_owned(),
-            spec: CreateSandbox::default(),
+            spec: SandboxSpec::default(),
             created_at_ms: 1,
             expires_at_ms: None,
             phase: Phase::Creating,
@@ -234,6 +313,54 @@ mod tests {
 
         // Assert
         assert_eq!(loaded, vec![record("0123456789ab")]);
+    }
+
+    #[test]
+    fn a_version_1_record_with_the_create_request_is_migrated_to_the_spec() {
+        // Arrange: a record as daemons before the spec wrote it.
+        let v1 = br#"{"id":"0123456789ab","spec":{"vcpus":2,"memory_mib":512,"image":"debian",
+            "disk_mib":64,"env":{"A":"1"},"ttl_s":60,"labels":{"k":"v"},
+            "mounts":[{"host":"/srv/data","guest":"/data","ro":true}]},
+            "created_at_ms":1,"expires_at_ms":60001,"phase":"running","runtime_parent":"/run/x",
+            "cgroup":null,"limits":{"memory_bytes":1,"cpu_quota":null,"pids_max":8,"cgroup":null},
+            "sandbox":null,"failure":null}"#;
+
+        // Act
+        let record = Record::parse(v1).unwrap();
+
+        // Assert
+        assert_eq!(record.schema, RECORD_SCHEMA);
+        let spec = &record.spec;
+        assert_eq!(
+            (spec.vcpus, spec.memory_mib, spec.disk_mib),
+            (2, 512, Some(64))
+        );
+        assert_eq!(
+            spec.image,
+            Some(bulkhead_sandbox::FileRef::Name("debian".into()))
+        );
+        assert_eq!(spec.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(spec.labels.get("k").map(String::as_str), Some("v"));
+        assert!(spec.mounts[0].read_only);
+        assert_eq!(record.expires_at_ms, Some(60001));
+    }
+
+    #[test]
+    fn a_record_of_a_newer_schema_or_garbage_is_refused() {
+        // Arrange
+        let mut newer = serde_json::to_value(record("0123456789ab")).unwrap();
+        newer["schema"] = serde_json::json!(99);
+
+        // Act
+        let newer = Record::parse(newer.to_string().as_bytes());
+        let garbage = Record::parse(b"[1,2]");
+
+        // Assert
+        assert!(matches!(newer, Err(RecordError::Newer(99))), "{newer:?}");
+        assert!(
+            matches!(garbage, Err(RecordError::Malformed(_))),
+            "{garbage:?}"
+        );
     }
 
     #[test]

@@ -10,44 +10,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bulkhead_client::{CreateSandbox, ExecSpec, SandboxState};
-use bulkhead_image::builder::{BuildError, RootfsBuilder};
-use bulkhead_image::ext4::{EXT4_MAGIC, MAGIC_OFFSET};
-use bulkhead_image::{BuildSpec, ImageStore, Progress};
 use common::{alive, rt, wait_until, TestDaemon};
-
-/// Writes a one-block ext4 superblock: what the store's and the sandbox's checks read.
-struct OneBlock;
-
-impl RootfsBuilder for OneBlock {
-    fn build(
-        &self,
-        _spec: &BuildSpec,
-        _work_dir: &Path,
-        image: &Path,
-        _progress: &mut dyn FnMut(Progress),
-    ) -> Result<(), BuildError> {
-        let mut bytes = vec![0u8; 4096];
-        bytes[1024 + 0x4] = 1; // one block
-        bytes[1024 + 0x18] = 2; // of 4 KiB
-        let magic = MAGIC_OFFSET as usize;
-        bytes[magic..magic + 2].copy_from_slice(&EXT4_MAGIC.to_le_bytes());
-        std::fs::write(image, bytes).expect("write the fake image");
-        Ok(())
-    }
-}
 
 /// A daemon (fake VMM) whose image store holds the fake image `debian`; the store's directory
 /// lives as long as the returned guard.
 fn daemon_with_image(extra: &[&str]) -> (TestDaemon, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let images = dir.path().join("images");
-    ImageStore::at_images_dir(&images)
-        .build_with(
-            &OneBlock,
-            &BuildSpec::new("debian", "/nonexistent"),
-            &mut |_| {},
-        )
-        .unwrap();
+    bulkhead_image::testing::store_with(&images, &["debian"]);
     let config = dir.path().join("bulkheadd.toml");
     std::fs::write(&config, format!("images_dir = {:?}\n", images)).unwrap();
     let mut args = vec!["--config", config.to_str().unwrap()];
@@ -224,7 +194,7 @@ fn a_vm_that_died_while_the_daemon_was_down_is_failed_without_its_scratch_disk()
 }
 
 #[test]
-fn unknown_images_and_misplaced_disks_are_400s_that_name_the_problem() {
+fn an_unknown_image_is_a_404_and_bad_names_and_misplaced_disks_are_400s_that_name_the_problem() {
     // Arrange
     let (daemon, _store) = daemon_with_image(&[]);
     let client = daemon.client();
@@ -234,14 +204,15 @@ fn unknown_images_and_misplaced_disks_are_400s_that_name_the_problem() {
         ..on_debian(None)
     };
     let requests = [
-        (image("ubuntu"), "unknown image \"ubuntu\""),
-        (image("../images/debian"), "invalid image name"),
-        (on_debian(Some(2)), "disk_mib must be between 8"),
+        (image("ubuntu"), 404, "unknown image \"ubuntu\""),
+        (image("../images/debian"), 400, "invalid image name"),
+        (on_debian(Some(2)), 400, "disk_mib must be between 8"),
         (
             CreateSandbox {
                 image: None,
                 ..on_debian(Some(64))
             },
+            400,
             "disk_mib needs an image",
         ),
     ];
@@ -249,16 +220,16 @@ fn unknown_images_and_misplaced_disks_are_400s_that_name_the_problem() {
     // Act
     let errors: Vec<bulkhead_client::Error> = requests
         .iter()
-        .map(|(spec, _)| rt.block_on(client.create(spec)).unwrap_err())
+        .map(|(spec, ..)| rt.block_on(client.create(spec)).unwrap_err())
         .collect();
 
     // Assert
-    for ((_, needle), err) in requests.iter().zip(&errors) {
-        assert_eq!(err.status(), Some(400), "{err}");
+    for ((_, status, needle), err) in requests.iter().zip(&errors) {
+        assert_eq!(err.status(), Some(*status), "{err}");
         assert!(err.to_string().contains(needle), "{needle}: {err}");
     }
     assert!(
-        errors[0].to_string().contains("has debian"),
+        errors[0].to_string().contains("known: debian"),
         "{}",
         errors[0]
     );

@@ -31,6 +31,8 @@ pub mod manifest;
 pub mod paths;
 pub mod spec;
 pub mod store;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use builder::{BuildError, RootfsBuilder};
 pub use debian::DebianBuilder;

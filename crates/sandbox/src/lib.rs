@@ -28,12 +28,14 @@
 //! [`READY_PORT`]: bulkhead_protocol::READY_PORT
 #![deny(missing_docs)]
 
+pub mod cgroup;
 pub mod jail;
 pub mod mounts;
 pub mod paths;
 pub mod phases;
 mod process;
 mod sandbox;
+pub mod spec;
 pub mod storage;
 mod vmm_process;
 pub mod workspace;
@@ -42,6 +44,9 @@ pub use jail::JailError;
 pub use mounts::{Mount, MountError};
 pub use phases::{PhaseClock, Phases, Timings, PHASE_NAMES};
 pub use sandbox::{Error, Sandbox, SandboxConfig, SandboxState, EXIT_FILE};
+pub use spec::{
+    build, ExecDefaults, FileRef, HostSettings, Recipe, ResourceLimits, SandboxSpec, SpecError,
+};
 pub use storage::{Storage, StorageError};
 pub use vmm_process::{start_time_of, VmEnd, VmmExit};
 pub use workspace::{

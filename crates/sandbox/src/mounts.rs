@@ -43,7 +43,8 @@ pub const MAX_MOUNTS: usize = 8;
 pub const MAX_GUEST_PATH: usize = 160;
 
 /// A host directory shared into the sandbox.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Mount {
     /// The host directory (resolved to an absolute path by [`check`]).
     pub host: PathBuf,

@@ -17,9 +17,10 @@ use bulkhead_vmm::config::{DiskConfig, SerialOutput, VmConfig, VsockConfig, DEFA
 
 use crate::jail::{self, Jail, JailError};
 use crate::mounts::{self, Mount, MountError};
-use crate::paths;
 use crate::phases::{self, PhaseClock, Timings, REPORT_FILE};
 use crate::process::{self, SpawnOptions, Woken};
+use crate::spec::build::config_of;
+use crate::spec::{HostSettings, SandboxSpec};
 use crate::storage::{self, Prepared, Storage, StorageError};
 use crate::vmm_process::{start_time_of, Adopted, VmEnd, VmmProcess};
 use crate::workspace::{self, Workspace, WorkspaceError};
@@ -180,24 +181,11 @@ pub struct SandboxConfig {
 }
 
 impl Default for SandboxConfig {
+    /// The default spec on this machine's defaults ([`HostSettings::local`]), without a
+    /// hostname (the agent's `bulkhead`).
     fn default() -> Self {
-        SandboxConfig {
-            kernel: paths::default_kernel(),
-            initrd: paths::default_initrd(),
-            vcpus: 1,
-            memory_mib: 256,
-            extra_cmdline: Vec::new(),
-            hostname: None,
-            console: SerialOutput::Off,
-            vmm_binary: paths::vmm_binary(),
-            runtime_dir: paths::runtime_dir(),
-            ready_timeout: Duration::from_secs(60),
-            kill_on_parent_exit: true,
-            cgroup_procs: Vec::new(),
-            mounts: Vec::new(),
-            workspace: None,
-            jail: jail::wanted_by_default(),
-        }
+        let host = HostSettings::local();
+        config_of(&SandboxSpec::default(), &host, host.kernel.clone(), None)
     }
 }
 

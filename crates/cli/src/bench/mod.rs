@@ -21,8 +21,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bulkhead_protocol::ExecRequest;
-use bulkhead_sandbox::{SandboxConfig, Storage, PHASE_NAMES};
+use bulkhead_sandbox::spec::new_id;
+use bulkhead_sandbox::{HostSettings, SandboxSpec, PHASE_NAMES};
 use bulkhead_vmm::config::SerialOutput;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -117,28 +117,23 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
     } else {
         args.command.clone()
     };
-    let storage = Storage {
-        root_image: args
-            .image
-            .as_deref()
-            .map(crate::run::resolve_image)
-            .transpose()?,
-        ..Storage::default()
-    };
-    let mut config = SandboxConfig {
+    let spec = SandboxSpec {
         vcpus: args.vcpus,
         memory_mib: args.memory,
-        ready_timeout: Duration::try_from_secs_f64(args.boot_timeout)
-            .map_err(|_| "--boot-timeout must be a non-negative number of seconds")?,
-        console: if args.console {
-            SerialOutput::Stdout
-        } else {
-            SerialOutput::Off
-        },
-        extra_cmdline: args.kernel_args.clone(),
-        ..SandboxConfig::default()
+        image: args.image.as_deref().map(crate::run::image_ref),
+        kernel_args: args.kernel_args.clone(),
+        ..SandboxSpec::default()
     };
-    bulkhead_sandbox::storage::check(&storage, &config.runtime_dir).map_err(|e| e.to_string())?;
+    let mut host = HostSettings::local();
+    host.ready_timeout = Duration::try_from_secs_f64(args.boot_timeout)
+        .map_err(|_| "--boot-timeout must be a non-negative number of seconds")?;
+    if args.console {
+        host.console = SerialOutput::Stdout;
+    }
+    let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
+    // One recipe for every run (they share its hostname, `bh-<id>`).
+    let recipe = bulkhead_sandbox::build(&spec, &host, &id).map_err(|e| e.to_string())?;
+    let (mut config, storage) = (recipe.config, recipe.storage);
     for path in args.json.iter().chain(&args.plot) {
         check_writable(path)?;
     }
@@ -152,7 +147,9 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         concurrency: args.concurrency as usize,
         mode: args.mode,
     };
-    let request = ExecRequest::new(command.clone());
+    let request = recipe
+        .exec
+        .request(command.clone(), &Default::default(), None, None);
     let cold_start = ColdStart {
         config: &config,
         storage: &storage,

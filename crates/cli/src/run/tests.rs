@@ -55,8 +55,12 @@ fn only_output_events_keep_the_run_going() {
 
 #[test]
 fn the_watchdog_waits_the_timeout_plus_the_grace_and_only_with_a_timeout() {
-    let timed = exec_request(&run_args(&["--timeout", "3", "--", "sleep", "9"])).unwrap();
-    let untimed = exec_request(&run_args(&["--", "sleep", "9"])).unwrap();
+    let defaults = ExecDefaults::default();
+    let timed = exec_request(
+        &run_args(&["--timeout", "3", "--", "sleep", "9"]),
+        &defaults,
+    );
+    let untimed = exec_request(&run_args(&["--", "sleep", "9"]), &defaults);
 
     let limit = watched_timeout(&timed).map(watchdog::limit);
 
@@ -65,22 +69,29 @@ fn the_watchdog_waits_the_timeout_plus_the_grace_and_only_with_a_timeout() {
 }
 
 #[test]
-fn env_overrides_replace_defaults() {
-    let env = default_env(&["PATH=/x".into(), "A=b=c".into()], true);
+fn env_flags_override_the_defaults_and_another_user_gets_no_default_home() {
+    // Arrange
+    let args = run_args(&["-e", "PATH=/x", "-e", "A=b=c", "true"]);
+    let as_user = run_args(&["--user", "1000", "true"]);
 
-    assert!(env.contains(&"PATH=/x".to_owned()));
-    assert!(!env.iter().any(|e| e.starts_with("PATH=/usr")));
-    assert!(env.contains(&"A=b=c".to_owned()));
-    assert!(env.contains(&"HOME=/root".to_owned()));
-}
+    // Act
+    let spec = sandbox_spec(&args);
+    let request = exec_request(&args, &ExecDefaults::of(&spec));
+    let user_request = exec_request(&as_user, &ExecDefaults::of(&sandbox_spec(&as_user)));
 
-#[test]
-fn another_user_gets_no_default_home_so_the_agent_sets_its_own() {
-    let env = default_env(&[], false);
-    let explicit = default_env(&["HOME=/tmp".into()], false);
-
-    assert!(!env.iter().any(|e| e.starts_with("HOME=")), "{env:?}");
-    assert!(explicit.contains(&"HOME=/tmp".to_owned()));
+    // Assert
+    assert!(request.env.contains(&"PATH=/x".to_owned()));
+    assert!(!request.env.iter().any(|e| e.starts_with("PATH=/usr")));
+    assert!(request.env.contains(&"A=b=c".to_owned()));
+    assert!(request.env.contains(&"HOME=/root".to_owned()));
+    assert!(request.env.contains(&"TERM=dumb".to_owned()));
+    assert!(request.kill_group_on_exit && request.stdin);
+    assert!(
+        !user_request.env.iter().any(|e| e.starts_with("HOME=")),
+        "{:?}",
+        user_request.env
+    );
+    assert_eq!(user_request.user.as_deref(), Some("1000"));
 }
 
 #[test]
@@ -191,7 +202,7 @@ fn the_testhost_hint_passes_kernel_initrd_and_vmm_overrides_on_with_their_dirs()
 }
 
 /// `bulkhead run` parsed from `words` (after `run`).
-fn run_args(words: &[&str]) -> RunArgs {
+pub(super) fn run_args(words: &[&str]) -> RunArgs {
     #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]
@@ -321,14 +332,16 @@ fn kernel_args_are_appended_to_the_guest_command_line_in_order() {
         "true",
     ]);
 
-    let config = sandbox_config(&args).unwrap();
+    let spec = sandbox_spec(&args);
 
-    assert_eq!(config.extra_cmdline, ["loglevel=7", "rodata=off"]);
+    assert_eq!(spec.kernel_args, ["loglevel=7", "rodata=off"]);
 }
 
 #[test]
-fn a_kernel_arg_must_be_one_parameter() {
+fn a_kernel_arg_must_be_one_parameter_and_not_a_boot_parameter() {
     assert_eq!(parse_kernel_arg("quiet"), Ok("quiet".to_owned()));
+    let reserved = parse_kernel_arg("bulkhead.hostname=x").unwrap_err();
+    assert!(reserved.contains("boot parameters"), "{reserved}");
     for bad in ["", "a b", "init=/x\tpanic=0", "x\0y"] {
         let err = parse_kernel_arg(bad).unwrap_err();
         assert!(

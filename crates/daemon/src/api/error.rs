@@ -89,12 +89,18 @@ impl From<ManagerError> for ApiError {
             ManagerError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ManagerError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
             ManagerError::Ambiguous { .. } => (StatusCode::BAD_REQUEST, "ambiguous_id"),
+            ManagerError::UnknownName { what: "kernel", .. } => {
+                (StatusCode::NOT_FOUND, "kernel_not_found")
+            }
+            ManagerError::UnknownName { .. } => (StatusCode::NOT_FOUND, "image_not_found"),
             ManagerError::InsufficientMemory(_) => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "insufficient_memory")
             }
             ManagerError::TooMany(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_sandboxes"),
             ManagerError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
             ManagerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
+            ManagerError::BootTimeout(_) => (StatusCode::GATEWAY_TIMEOUT, "boot_timeout"),
+            ManagerError::VmExited(_) => (StatusCode::BAD_GATEWAY, "vm_exited"),
             ManagerError::StartFailed(_) => (StatusCode::INTERNAL_SERVER_ERROR, "start_failed"),
             ManagerError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::error::{ApiError, ApiJson};
-use crate::manager::{plan, AgentHandle, Manager};
+use crate::manager::{AgentHandle, Manager};
 
 /// Output lines buffered between the agent reader and the HTTP response.
 const CHANNEL_LINES: usize = 16;
@@ -130,7 +130,7 @@ fn protocol_request(
     if spec.argv.iter().any(|a| a.contains('\0')) {
         return Err(ApiError::invalid("argv must not contain NUL bytes"));
     }
-    plan::check_env(&spec.env).map_err(|e| ApiError::invalid(e.to_string()))?;
+    bulkhead_sandbox::spec::check_env(&spec.env).map_err(|e| ApiError::invalid(e.to_string()))?;
     if let Some(cwd) = &spec.cwd {
         if !cwd.starts_with('/') || cwd.contains('\0') {
             return Err(ApiError::invalid("cwd must be an absolute path"));
@@ -155,10 +155,14 @@ fn protocol_request(
                 .map_err(|e| ApiError::invalid(format!("stdin is not base64: {e}")))?,
         ),
     };
-    let mut request = ExecRequest::new(spec.argv.clone());
-    request.env = plan::merged_env(&handle.env, &spec.env);
-    request.cwd.clone_from(&spec.cwd);
-    request.user.clone_from(&spec.user);
+    // The sandbox's command defaults, as for `bulkhead run` (`ExecDefaults::request`); unlike a
+    // run, an exec ends when every holder of its output has closed it (`docker exec`).
+    let mut request = handle.exec.request(
+        spec.argv.clone(),
+        &spec.env,
+        spec.cwd.as_deref(),
+        spec.user.as_deref(),
+    );
     request.stdin = stdin.is_some();
     request.timeout_ms = timeout_ms;
     Ok((request, stdin))

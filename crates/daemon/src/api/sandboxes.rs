@@ -19,12 +19,15 @@ const MAX_LOG_LINES: usize = 10_000;
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses(
         (status = 201, description = "Running", body = SandboxInfo),
-        (status = 400, description = "Invalid request (malformed JSON, unknown field, value out of range, invalid or unknown image name, disk_mib without image)", body = ErrorBody),
+        (status = 400, description = "Invalid request (malformed JSON, unknown field, value out of range, invalid image or kernel name, disk_mib without image, a share outside mount_roots)", body = ErrorBody),
+        (status = 404, description = "A kernel or image the daemon does not have (code kernel_not_found or image_not_found; the message lists those it has)", body = ErrorBody),
         (status = 413, description = "Body larger than 1 MiB", body = ErrorBody),
         (status = 422, description = "Not enough host memory", body = ErrorBody),
         (status = 429, description = "Sandbox limit reached", body = ErrorBody),
-        (status = 500, description = "The VM could not start (the message quotes its log), or the image is damaged", body = ErrorBody),
-        (status = 503, description = "The daemon is shutting down", body = ErrorBody)))]
+        (status = 500, description = "The VM could not start for another reason (code start_failed), or the image store is damaged", body = ErrorBody),
+        (status = 502, description = "The VM ended or its VMM died during the boot (code vm_exited; the message says how, from the VMM's exit report, and quotes its log)", body = ErrorBody),
+        (status = 503, description = "The daemon is shutting down", body = ErrorBody),
+        (status = 504, description = "The guest agent did not come up within the daemon's boot_timeout_s (code boot_timeout); the VM was destroyed", body = ErrorBody)))]
 pub async fn create(
     State(manager): State<Manager>,
     ApiJson(spec): ApiJson<CreateSandbox>,

@@ -4,52 +4,49 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bulkhead_client::{CreateSandbox, Limits, SandboxInfo, SandboxState};
-use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
-use bulkhead_vmm::config::SerialOutput;
+use bulkhead_client::{Limits, SandboxInfo, SandboxState};
+use bulkhead_sandbox::{Recipe, Sandbox, SandboxSpec};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
 use super::images::remove_scratch;
-use super::plan::VmPlan;
 use super::{failure, info_of, procs, Entry, EntryInner, Manager, ManagerError};
 use crate::cgroup::{CgroupManager, CgroupSpec, VmCgroup};
-use crate::store::{Phase, Record, Store};
+use crate::store::{Phase, Record, Store, RECORD_SCHEMA};
 use crate::util;
 
 impl Manager {
     /// Registers a new sandbox (record first), boots it and reports it running.
     pub(super) async fn create_vm(
         &self,
-        spec: CreateSandbox,
-        plan: VmPlan,
+        spec: SandboxSpec,
+        ttl_s: Option<u64>,
+        recipe: Recipe,
     ) -> Result<SandboxInfo, ManagerError> {
         let started = Instant::now();
-        let entry = self.register(spec, &plan)?;
+        let entry = self.register(spec, ttl_s, &recipe)?;
         let _lifecycle = entry.lifecycle.lock().await;
         let record = entry.lock().record.clone();
-        let config = self.sandbox_config(&record, &plan);
         let cgroups = self.inner.cgroups.clone();
-        let VmPlan {
-            limits, storage, ..
-        } = plan;
         // Wait for a boot slot (the semaphore is never closed); the boot timeout starts after.
         let slot = self.inner.boot_slots.acquire().await;
-        let booted = tokio::task::spawn_blocking(move || {
-            boot(&record, config, &storage, cgroups.as_ref(), &limits)
-        })
-        .await
-        .unwrap_or_else(|e| Err(format!("the boot task failed: {e}")));
+        let booted = tokio::task::spawn_blocking(move || boot(&record, recipe, cgroups.as_ref()))
+            .await
+            .unwrap_or_else(|e| {
+                Err(ManagerError::StartFailed(format!(
+                    "the boot task failed: {e}"
+                )))
+            });
         drop(slot);
         let sandbox = match booted {
             Ok(sandbox) => sandbox,
-            Err(message) => {
+            Err(error) => {
                 if let Err(e) = self.inner.store.remove(&entry.id) {
                     tracing::error!(id = %entry.id, "{e}");
                 }
                 self.forget(&entry);
                 self.inner.metrics.create_failed();
-                return Err(ManagerError::StartFailed(message));
+                return Err(error);
             }
         };
         let info = self.mark_running(&entry, sandbox)?;
@@ -59,23 +56,26 @@ impl Manager {
     }
 
     /// Adds the entry in state `creating` and writes its record, before any resource exists.
-    fn register(&self, spec: CreateSandbox, plan: &VmPlan) -> Result<Arc<Entry>, ManagerError> {
-        let id =
-            util::new_id().map_err(|e| ManagerError::Internal(format!("no sandbox id: {e}")))?;
+    fn register(
+        &self,
+        spec: SandboxSpec,
+        ttl_s: Option<u64>,
+        recipe: &Recipe,
+    ) -> Result<Arc<Entry>, ManagerError> {
+        let id = recipe.id.clone();
         let now = util::now_ms();
         let cgroup = self.inner.cgroups.as_ref().map(|c| c.spec_for(&id));
         let record = Record {
+            schema: RECORD_SCHEMA,
             id: id.clone(),
             created_at_ms: now,
-            expires_at_ms: spec
-                .ttl_s
-                .map(|s| now.saturating_add(s.saturating_mul(1000))),
+            expires_at_ms: ttl_s.map(|s| now.saturating_add(s.saturating_mul(1000))),
             phase: Phase::Creating,
-            runtime_parent: self.inner.config.vm_runtime_root().join(&id),
+            runtime_parent: recipe.config.runtime_dir.clone(),
             limits: Limits {
-                memory_bytes: plan.limits.memory_bytes,
-                cpu_quota: plan.limits.cpu_quota,
-                pids_max: plan.limits.pids_max,
+                memory_bytes: recipe.limits.memory_bytes,
+                cpu_quota: recipe.limits.cpu_quota,
+                pids_max: recipe.limits.pids_max,
                 cgroup: cgroup.as_ref().map(|c| c.path.clone()),
             },
             cgroup,
@@ -103,29 +103,6 @@ impl Manager {
         });
         entries.insert(id, entry.clone());
         Ok(entry)
-    }
-
-    fn sandbox_config(&self, record: &Record, plan: &VmPlan) -> SandboxConfig {
-        let config = &self.inner.config;
-        SandboxConfig {
-            kernel: plan.kernel.clone(),
-            initrd: plan.initrd.clone(),
-            vcpus: record.spec.vcpus,
-            memory_mib: record.spec.memory_mib,
-            extra_cmdline: Vec::new(),
-            hostname: Some(format!("bh-{}", record.id)),
-            // The serial console goes to the VMM's stdout, i.e. into vmm.log with its messages.
-            console: SerialOutput::Stdout,
-            vmm_binary: config.vmm_binary.clone(),
-            runtime_dir: record.runtime_parent.clone(),
-            ready_timeout: Duration::from_secs(config.boot_timeout_s),
-            // VMs outlive the daemon (restarts adopt them).
-            kill_on_parent_exit: false,
-            cgroup_procs: Vec::new(),
-            mounts: plan.mounts.clone(),
-            workspace: plan.workspace.clone(),
-            jail: true,
-        }
     }
 
     /// Running: keep the VM, persist what adoption needs, watch the VMM and the TTL.
@@ -291,27 +268,39 @@ impl Manager {
     }
 }
 
-/// Blocking: creates the cgroup and boots the VM in it, with its root image and scratch disk
-/// (made in the runtime directory). On failure everything made is removed (the scratch disk with
-/// the runtime directory).
+/// Blocking: creates the cgroup and boots the recipe's VM in it, with its root image and scratch
+/// disk (made in the runtime directory). On failure everything made is removed (the scratch disk
+/// with the runtime directory).
 fn boot(
     record: &Record,
-    mut config: SandboxConfig,
-    storage: &Storage,
+    mut recipe: Recipe,
     cgroups: Option<&CgroupManager>,
-    limits: &crate::cgroup::VmLimits,
-) -> Result<Sandbox, String> {
+) -> Result<Sandbox, ManagerError> {
     let result = (|| {
         if let (Some(manager), Some(spec)) = (cgroups, &record.cgroup) {
-            let cgroup = manager.create(spec, limits).map_err(|e| e.to_string())?;
-            config.cgroup_procs = cgroup.procs_files();
+            let cgroup = manager
+                .create(spec, &recipe.limits)
+                .map_err(|e| ManagerError::StartFailed(e.to_string()))?;
+            recipe.config.cgroup_procs = cgroup.procs_files();
         }
-        Sandbox::start_with(&config, storage).map_err(|e| e.to_string())
+        Sandbox::start_with(&recipe.config, &recipe.storage).map_err(start_error)
     })();
     if result.is_err() {
         cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());
     }
     result
+}
+
+/// The API error of a boot that failed: a timeout (504), a VM that ended or a VMM that died
+/// during the boot (502), anything else (500).
+fn start_error(err: bulkhead_sandbox::Error) -> ManagerError {
+    match err {
+        e @ bulkhead_sandbox::Error::ReadyTimeout { .. } => {
+            ManagerError::BootTimeout(e.to_string())
+        }
+        e @ bulkhead_sandbox::Error::VmExited { .. } => ManagerError::VmExited(e.to_string()),
+        other => ManagerError::StartFailed(other.to_string()),
+    }
 }
 
 /// Blocking: stops the VM and removes its cgroup, runtime files and record, in that order.

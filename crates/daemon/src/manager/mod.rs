@@ -18,18 +18,20 @@ mod lifecycle;
 pub mod plan;
 pub mod procs;
 mod recover;
-pub mod shares;
 mod workspace;
 
 pub use workspace::WorkspaceFailure;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bulkhead_client::{CreateSandbox, Failure, SandboxInfo, SandboxState};
+use bulkhead_client::{
+    CreateSandbox, Failure, MountSpec, SandboxInfo, SandboxState, WorkspaceMode as ApiMode,
+    WorkspaceSpec,
+};
 use bulkhead_protocol::client::AgentClient;
-use bulkhead_sandbox::Sandbox;
+use bulkhead_sandbox::{ExecDefaults, Sandbox, WorkspaceMode};
 
 use crate::cgroup::CgroupManager;
 use crate::config::Config;
@@ -54,6 +56,15 @@ pub enum ManagerError {
         /// The IDs it matches, sorted.
         matches: Vec<String>,
     },
+    /// A kernel or image the daemon does not have (404, code `kernel_not_found` or
+    /// `image_not_found`).
+    #[error("{message}")]
+    UnknownName {
+        /// `kernel` or `image`.
+        what: &'static str,
+        /// The explanation, with the names there are.
+        message: String,
+    },
     /// The host lacks the memory asked for (422).
     #[error("{0}")]
     InsufficientMemory(String),
@@ -71,7 +82,13 @@ pub enum ManagerError {
     /// The daemon is stopping (503).
     #[error("the daemon is shutting down")]
     ShuttingDown,
-    /// The VM could not be started (500); nothing was kept.
+    /// The guest agent did not come up within the boot timeout (504); the VM was destroyed.
+    #[error("the sandbox could not start: {0}")]
+    BootTimeout(String),
+    /// The VM ended, or its VMM died, before the agent was ready (502); nothing was kept.
+    #[error("the sandbox could not start: {0}")]
+    VmExited(String),
+    /// The VM could not be started for another reason (500); nothing was kept.
     #[error("the sandbox could not start: {0}")]
     StartFailed(String),
     /// Anything else (500).
@@ -127,8 +144,8 @@ pub struct Manager {
 pub struct AgentHandle {
     /// A client for its guest agent.
     pub client: AgentClient,
-    /// The sandbox's environment.
-    pub env: BTreeMap<String, String>,
+    /// The defaults of its commands (environment, working directory, user), from its spec.
+    pub exec: ExecDefaults,
 }
 
 impl Manager {
@@ -248,7 +265,7 @@ impl Manager {
         match (&inner.state, &inner.sandbox) {
             (SandboxState::Running, Some(sandbox)) => Ok(AgentHandle {
                 client: sandbox.client(),
-                env: inner.record.spec.env.clone(),
+                exec: ExecDefaults::of(&inner.record.spec),
             }),
             (state, _) => Err(ManagerError::Conflict {
                 id: entry.id.clone(),
@@ -279,15 +296,18 @@ impl Manager {
     /// # Errors
     /// [`ManagerError::Invalid`], [`ManagerError::InsufficientMemory`],
     /// [`ManagerError::TooMany`], [`ManagerError::ShuttingDown`], [`ManagerError::StartFailed`].
-    pub async fn create(&self, spec: CreateSandbox) -> Result<SandboxInfo, ManagerError> {
+    pub async fn create(&self, request: CreateSandbox) -> Result<SandboxInfo, ManagerError> {
         if self.inner.shutting_down.load(Ordering::SeqCst) {
             return Err(ManagerError::ShuttingDown);
         }
+        let id =
+            util::new_id().map_err(|e| ManagerError::Internal(format!("no sandbox id: {e}")))?;
         let config = &self.inner.config;
-        let plan = plan::plan(config, &spec, plan::host_facts(config))?;
+        let (spec, recipe) = plan::plan(config, &request, plan::host_facts(config), &id)?;
         let this = self.clone();
+        let ttl_s = request.ttl_s;
         // Run to the end even when the client goes away, so nothing is left half made.
-        tokio::spawn(async move { this.create_vm(spec, plan).await })
+        tokio::spawn(async move { this.create_vm(spec, ttl_s, recipe).await })
             .await
             .map_err(|e| ManagerError::Internal(format!("the create task failed: {e}")))?
     }
@@ -345,19 +365,35 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
         SandboxState::Running => r.sandbox.as_ref().map(|s| s.vmm_pid),
         _ => None,
     };
+    let s = &r.spec;
     SandboxInfo {
         id: r.id.clone(),
         state: inner.state,
         created_at: util::rfc3339(r.created_at_ms),
         expires_at: r.expires_at_ms.map(util::rfc3339),
-        vcpus: r.spec.vcpus,
-        memory_mib: r.spec.memory_mib,
-        kernel: r.spec.kernel.clone(),
-        image: r.spec.image.clone(),
-        disk_mib: r.spec.disk_mib,
-        labels: r.spec.labels.clone(),
-        workspace: r.spec.workspace.clone(),
-        mounts: r.spec.mounts.clone(),
+        vcpus: s.vcpus,
+        memory_mib: s.memory_mib,
+        kernel: s.kernel.as_ref().map(ToString::to_string),
+        image: s.image.as_ref().map(ToString::to_string),
+        disk_mib: s.disk_mib,
+        labels: s.labels.clone(),
+        workspace: s.workspace.as_ref().map(|w| WorkspaceSpec {
+            path: w.host.display().to_string(),
+            mode: match w.mode {
+                WorkspaceMode::Direct => ApiMode::Direct,
+                WorkspaceMode::Clone => ApiMode::Clone,
+            },
+        }),
+        mounts: s
+            .mounts
+            .iter()
+            .map(|m| MountSpec {
+                host: m.host.display().to_string(),
+                guest: m.guest.display().to_string(),
+                ro: m.read_only,
+            })
+            .collect(),
+        hostname: Some(s.hostname.clone().unwrap_or_else(|| format!("bh-{}", r.id))),
         limits: r.limits.clone(),
         vmm_pid,
         failure: r.failure.clone(),

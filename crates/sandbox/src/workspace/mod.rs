@@ -80,7 +80,8 @@ impl WorkspaceMode {
 }
 
 /// A host directory to share at [`GUEST_DIR`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Workspace {
     /// The host directory (resolved to an absolute path when the sandbox starts).
     pub host: PathBuf,

@@ -10,8 +10,12 @@
 //!   `cpu.cfs_quota_us`/`cpu.cfs_period_us`, `pids.max`).
 //!
 //! The VMM enters its cgroup between fork and exec ([`VmCgroup::procs_files`], used by
-//! `bulkhead_sandbox::SandboxConfig::cgroup_procs`), so its guest memory is charged from the first
-//! page. Moving it after spawning would leave a window in which it allocates outside its limit.
+//! [`crate::SandboxConfig::cgroup_procs`]), so its guest memory is charged from the first page.
+//! Moving it after spawning would leave a window in which it allocates outside its limit.
+//!
+//! The daemon keeps one [`CgroupManager`] for all its VMs; `bulkhead run` as root makes one
+//! under `bulkhead-run` when the run asks for limits. The limits themselves come from the
+//! sandbox's spec ([`crate::spec::limits_of`]).
 
 use std::fmt;
 use std::fs;
