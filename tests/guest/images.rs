@@ -269,7 +269,8 @@ fn an_unknown_image_name_is_a_clear_error() {
     let err = run_expecting_error(&["--image", "no-such-image"], None);
 
     // Assert
-    assert!(err.contains("image \"no-such-image\" not found"), "{err}");
+    assert!(err.contains("unknown image \"no-such-image\""), "{err}");
+    assert!(err.contains("--name no-such-image` builds one"), "{err}");
 }
 
 #[test]

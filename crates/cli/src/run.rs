@@ -148,7 +148,7 @@ pub(crate) fn parse_kernel_arg(s: &str) -> Result<String, String> {
              --kernel-arg once per parameter"
         ));
     }
-    spec::check_kernel_arg(s).map_err(|e| e.to_string())?;
+    spec::check_kernel_arg(s).map_err(|e| e.reason())?;
     Ok(s.to_owned())
 }
 
@@ -159,7 +159,7 @@ fn parse_vcpus(s: &str) -> Result<u8, String> {
         Ok(n) => u8::try_from(n).unwrap_or(0),
         Err(_) => return Err(format!("`{s}` is not a whole number; it must be {range}")),
     };
-    spec::check_vcpus(n).map_err(|e| e.to_string())?;
+    spec::check_vcpus(n).map_err(|e| e.reason())?;
     Ok(n)
 }
 
@@ -174,7 +174,7 @@ fn parse_memory(s: &str) -> Result<u32, String> {
             ))
         }
     };
-    spec::check_memory_mib(n).map_err(|e| e.to_string())?;
+    spec::check_memory_mib(n).map_err(|e| e.reason())?;
     Ok(n)
 }
 
@@ -194,7 +194,7 @@ pub(crate) fn parse_cpu_quota(s: &str) -> Result<f64, String> {
         cpu_quota: Some(quota),
         pids_max: None,
     };
-    spec::check_limits(&limits, 1).map_err(|e| e.to_string())?;
+    spec::check_limits(&limits, 1).map_err(|e| e.reason())?;
     Ok(quota)
 }
 

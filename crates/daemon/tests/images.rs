@@ -229,7 +229,7 @@ fn an_unknown_image_is_a_404_and_bad_names_and_misplaced_disks_are_400s_that_nam
         assert!(err.to_string().contains(needle), "{needle}: {err}");
     }
     assert!(
-        errors[0].to_string().contains("known: debian"),
+        errors[0].to_string().contains("has debian"),
         "{}",
         errors[0]
     );

@@ -122,7 +122,7 @@ pub fn plan(
     // The VMs' runtime directories are `<runtime root>/<id>/sb-*`.
     let mut host = host_settings(config, facts);
     host.runtime_dir = host.runtime_dir.join(id);
-    let recipe = spec::build(&spec, &host, id).map_err(|e| spec_error(e, config))?;
+    let recipe = spec::build(&spec, &host, id).map_err(spec_error)?;
     check_memory_available(&spec, &recipe, facts, config)?;
     Ok((spec, recipe))
 }
@@ -173,12 +173,12 @@ fn admit(config: &Config, spec: &SandboxSpec, ttl_s: Option<u64>) -> Result<(), 
 
 /// The API error of a spec that cannot be built: the client's mistake (400, or 404 for a name
 /// the daemon does not have) unless the host itself is broken (500).
-fn spec_error(err: SpecError, config: &Config) -> ManagerError {
+fn spec_error(err: SpecError) -> ManagerError {
     match err {
         SpecError::Invalid { field, reason } => ManagerError::Invalid(format!("{field}: {reason}")),
         SpecError::UnknownName { what, .. } => ManagerError::UnknownName {
             what,
-            message: format!("{err}{}", add_hint(what, config)),
+            message: err.to_string(),
         },
         SpecError::NotAllowed { .. } | SpecError::Workspace(_) => {
             ManagerError::Invalid(err.to_string())
@@ -190,17 +190,6 @@ fn spec_error(err: SpecError, config: &Config) -> ManagerError {
         SpecError::Storage(e) => ManagerError::Internal(format!("image: {e}")),
         SpecError::File(e) => ManagerError::Internal(e.to_string()),
         SpecError::Store(e) => ManagerError::Internal(e),
-    }
-}
-
-/// How to get a missing `what` onto this daemon.
-fn add_hint(what: &str, config: &Config) -> String {
-    match what {
-        "image" => " (`bulkhead image build` adds images to the daemon's image store)".to_owned(),
-        _ => match &config.kernels_dir {
-            Some(dir) => format!(" (kernels are files in {})", dir.display()),
-            None => String::new(),
-        },
     }
 }
 

@@ -197,7 +197,7 @@ fn an_unknown_image_or_kernel_is_a_404_naming_it_and_what_there_is() {
     };
     assert_eq!(what, "image");
     assert!(message.contains("unknown image \"ubuntu\""), "{message}");
-    assert!(message.contains("debian, tools"), "{message}");
+    assert!(message.contains("has debian, tools"), "{message}");
     assert!(
         matches!(&kernel, Err(ManagerError::UnknownName { what: "kernel", message }) if message.contains("6.1")),
         "{kernel:?}"

@@ -287,6 +287,8 @@ fn resolve_kernel(kernel: Option<&FileRef>, host: &HostSettings) -> Result<PathB
                     what: "kernel",
                     name: name.clone(),
                     known: file_names(dir),
+                    where_: format!("the kernels directory {}", dir.display()),
+                    hint: "a kernel is a file there".to_owned(),
                 });
             }
             Ok(path)
@@ -336,6 +338,8 @@ fn resolve_image(image: &FileRef, host: &HostSettings) -> Result<PathBuf, SpecEr
                 .into_iter()
                 .map(|m| m.name)
                 .collect(),
+            where_: format!("the image store at {}", store.images_dir().display()),
+            hint: format!("`bulkhead image build debian --name {name}` builds one"),
         }),
         Err(StoreError::NotAnImage { .. }) => Err(invalid(
             "image",

@@ -199,7 +199,7 @@ pub enum SpecError {
         reason: String,
     },
     /// A kernel or image name the host does not have.
-    #[error("unknown {what} {name:?}: {}", known_names(.known))]
+    #[error("unknown {what} {name:?}: {where_} has {} ({hint})", known_names(.known))]
     UnknownName {
         /// `kernel` or `image`.
         what: &'static str,
@@ -207,6 +207,10 @@ pub enum SpecError {
         name: String,
         /// The names the host has (may be empty).
         known: Vec<String>,
+        /// Where the names were looked up (`the image store at DIR`).
+        where_: String,
+        /// How to get one.
+        hint: String,
     },
     /// A host path where this host only takes names (the daemon), or a name where it has no
     /// place to resolve names.
@@ -236,8 +240,19 @@ pub enum SpecError {
 
 fn known_names(known: &[String]) -> String {
     match known.is_empty() {
-        true => "there are none".to_owned(),
-        false => format!("known: {}", known.join(", ")),
+        true => "none".to_owned(),
+        false => known.join(", "),
+    }
+}
+
+impl SpecError {
+    /// What is wrong, without the field's name (for a front end that names the field itself,
+    /// e.g. a command-line flag).
+    pub fn reason(&self) -> String {
+        match self {
+            SpecError::Invalid { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        }
     }
 }
 
@@ -326,7 +341,7 @@ pub fn check_vcpus(vcpus: u8) -> Result<(), SpecError> {
         true => Ok(()),
         false => Err(invalid(
             "vcpus",
-            format!("must be between 1 and {MAX_VCPUS} (the VMM's limit)"),
+            format!("the number of vCPUs must be between 1 and {MAX_VCPUS} (the VMM's limit)"),
         )),
     }
 }

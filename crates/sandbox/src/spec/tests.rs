@@ -260,6 +260,14 @@ fn unknown_names_list_what_the_host_has() {
         "{image_err}"
     );
     assert!(
+        image_err.to_string().contains("has debian, tools"),
+        "{image_err}"
+    );
+    assert!(
+        image_err.to_string().contains("--name ubuntu` builds one"),
+        "{image_err}"
+    );
+    assert!(
         matches!(&kernel_err, SpecError::UnknownName { what: "kernel", known, .. } if known == &["6.1-debug"]),
         "{kernel_err}"
     );
