@@ -1,8 +1,8 @@
 //! Seeds of `agent_frames`: what a well-behaved agent sends in each mode.
 
 use bulkhead_protocol::{
-    Ack, BootTimestamps, ChangeRecord, ChangeStatus, ChangesEnd, EntryKind, ErrorMessage,
-    ExitStatus, Frame, Ready, SkippedEntry, Started, PROTOCOL_VERSION,
+    Ack, BootTimestamps, ChangeRecord, ChangeStatus, ChangesEnd, EntryKind, ErrorCode,
+    ErrorMessage, ExitStatus, Frame, Ready, SkippedEntry, Started, PROTOCOL_VERSION,
 };
 
 use super::Seed;
@@ -55,9 +55,10 @@ pub fn seeds() -> Vec<Seed> {
             reason: "special file".into(),
         }],
     });
-    let error = Frame::Error(ErrorMessage {
-        message: "open /nope: No such file or directory (os error 2)".into(),
-    });
+    let error = Frame::Error(ErrorMessage::new(
+        ErrorCode::NotFound,
+        "open /nope: No such file or directory (os error 2)",
+    ));
     vec![
         (
             "agent_frames",
