@@ -49,6 +49,10 @@
 #                            one run with --disk-file /data/disk.ext4:ro (mounted as /dev/vda, a
 #                            known file read) and --mount /tmp/share:/mnt/share (virtio-fs: a host
 #                            file read, a guest file written that the host then reads)
+#   run-egress               --allow-cidr 127.0.0.1/32:8080 --egress-log: busybox wget in the
+#                            guest fetches a file from busybox httpd on the emulated host's
+#                            127.0.0.1:8080 through the agent's relay and the host's egress proxy,
+#                            gets the proxy's 403 for port 8081, and the log has both decisions
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
 # printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
@@ -212,7 +216,7 @@ HOST_SETUP
 # check_console fails unless each printed an ok line.
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-10mib run-disk run-virtiofs-read
-    run-virtiofs-write)
+    run-virtiofs-write run-egress)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -383,6 +387,24 @@ if [ "$status" = 0 ] && [ "$(cat /tmp/share/guest.txt 2>/dev/null)" = written-by
 else
     devices_fail run-virtiofs-write \
         "host sees guest.txt as [$(cat /tmp/share/guest.txt 2>&1)], owner [$owner] (want 1000:1000)"
+fi
+
+# The network: busybox httpd on the emulated host's loopback, reached from the guest only
+# through the agent's relay (127.0.0.1:3128, vsock) and the host's egress proxy.
+mkdir -p /tmp/www && echo bulkhead-egress-ok >/tmp/www/hello.txt
+ip link set lo up
+httpd -p 127.0.0.1:8080 -h /tmp/www
+brun run-egress --allow-cidr 127.0.0.1/32:8080 --egress-log /tmp/egress.jsonl -- sh -c '
+    echo "got: $(wget -q -O - http://127.0.0.1:8080/hello.txt)"
+    echo "refused: $(wget -q -O - http://127.0.0.1:8081/ 2>&1)"'
+if [ "$status" = 0 ] && grep -qx 'got: bulkhead-egress-ok' /tmp/run-egress.out &&
+    grep -q 'refused: .*403' /tmp/run-egress.out &&
+    grep -q '"port":8080.*"decision":"allow"' /tmp/egress.jsonl &&
+    grep -q '"port":8081.*"decision":"deny"' /tmp/egress.jsonl; then
+    ok run-egress "hello.txt fetched through the proxy, port 8081 refused (403), both logged"
+else
+    fail run-egress "status $status" /tmp/run-egress.out /tmp/run-egress.err /tmp/egress.jsonl \
+        /tmp/run-egress.console
 fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS

@@ -4,6 +4,7 @@
 mod bad_input;
 mod bench;
 mod boot;
+mod egress;
 mod fs;
 mod fs_many;
 mod images;

@@ -7,7 +7,8 @@
 //! overlay root built on that read-only image ([`rootfs`]). Then it mounts the host directories
 //! that `bulkhead.mount=TAG:DIR[:ro]` parameters name, over virtio-fs ([`mounts`]), after the
 //! clone workspace `bulkhead.workspace=TAG:DIR:clone` asks for ([`workspace`]): a read-only
-//! share under a private overlay, whose change set it reports on request ([`changes`]).
+//! share under a private overlay, whose change set it reports on request ([`changes`]). With
+//! `bulkhead.egress=on` it relays `127.0.0.1:3128` to the host's egress proxy ([`egress`]).
 //!
 //! The same server runs on the host in test mode (`--listen-unix PATH`), without the PID-1
 //! duties, so everything but the vsock transport is testable without a VM.
@@ -17,6 +18,7 @@
 pub mod changes;
 pub mod clock;
 pub mod conn;
+pub mod egress;
 pub mod exec;
 pub mod files;
 pub mod init;

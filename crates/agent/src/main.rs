@@ -6,9 +6,10 @@
 //!   names, listen on vsock port 1024, announce readiness to the
 //!   host, serve forever.
 //! - `bulkhead-agent --listen-unix PATH [--ready-unix PATH] [--workspace-upper DIR
-//!   --workspace-lower DIR]`: serve the same protocol on a Unix socket, without PID-1 duties
-//!   (test mode); the workspace flags name directories laid out like an overlay's upper and
-//!   lower layers, whose change set `WorkspaceChanges` then reports.
+//!   --workspace-lower DIR] [--egress-listen ADDR --egress-unix PATH]`: serve the same protocol
+//!   on a Unix socket, without PID-1 duties (test mode); the workspace flags name directories
+//!   laid out like an overlay's upper and lower layers, whose change set `WorkspaceChanges` then
+//!   reports; the egress flags run the egress relay from a TCP address to a Unix socket.
 
 mod early;
 
@@ -18,32 +19,40 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
-use bulkhead_agent::{clock, init, log, mounts, reaper, rootfs, vsock, workspace};
+use bulkhead_agent::{clock, egress, init, log, mounts, reaper, rootfs, vsock, workspace};
 use bulkhead_protocol::boot::BootParams;
 use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
 
 const USAGE: &str =
     "usage: bulkhead-agent                 (as PID 1 inside a bulkhead VM)\n       \
                      bulkhead-agent --listen-unix PATH [--ready-unix PATH]\n        \
-                     [--workspace-upper DIR --workspace-lower DIR]   (test mode)\n";
+                     [--workspace-upper DIR --workspace-lower DIR]\n        \
+                     [--egress-listen ADDR --egress-unix PATH]   (test mode)\n";
 
 /// What the command line asks for (when not PID 1).
 #[derive(Debug, PartialEq, Eq)]
 enum Args {
     Help,
     Version,
-    Test {
-        listen: PathBuf,
-        ready: Option<PathBuf>,
-        /// Upper and lower directories of a stand-in workspace.
-        layers: Option<(PathBuf, PathBuf)>,
-    },
+    Test(TestMode),
+}
+
+/// What test mode serves.
+#[derive(Debug, PartialEq, Eq)]
+struct TestMode {
+    listen: PathBuf,
+    ready: Option<PathBuf>,
+    /// Upper and lower directories of a stand-in workspace.
+    layers: Option<(PathBuf, PathBuf)>,
+    /// The egress relay's listening address and the Unix socket it relays to.
+    egress: Option<(std::net::SocketAddr, PathBuf)>,
 }
 
 fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> {
     let mut listen = None;
     let mut ready = None;
     let (mut upper, mut lower) = (None, None);
+    let (mut egress_listen, mut egress_unix) = (None, None);
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         let mut value = |name: &str| {
@@ -58,6 +67,15 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> 
             Some("--ready-unix") => ready = Some(value("--ready-unix")?),
             Some("--workspace-upper") => upper = Some(value("--workspace-upper")?),
             Some("--workspace-lower") => lower = Some(value("--workspace-lower")?),
+            Some("--egress-unix") => egress_unix = Some(value("--egress-unix")?),
+            Some("--egress-listen") => {
+                let addr = value("--egress-listen")?;
+                let addr = addr.to_str().and_then(|a| a.parse().ok()).ok_or(format!(
+                    "--egress-listen {} is not an address such as 127.0.0.1:3128",
+                    addr.display()
+                ))?;
+                egress_listen = Some(addr);
+            }
             _ => return Err(format!("unknown argument {arg:?}")),
         }
     }
@@ -67,11 +85,17 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Args, String> 
         (None, None) => None,
         _ => return Err("--workspace-upper and --workspace-lower go together".into()),
     };
-    Ok(Args::Test {
+    let egress = match (egress_listen, egress_unix) {
+        (Some(addr), Some(path)) => Some((addr, path)),
+        (None, None) => None,
+        _ => return Err("--egress-listen and --egress-unix go together".into()),
+    };
+    Ok(Args::Test(TestMode {
         listen,
         ready,
         layers,
-    })
+        egress,
+    }))
 }
 
 fn ready_message(init_started: BootTimestamps) -> Ready {
@@ -110,6 +134,13 @@ fn run_pid1(started: BootTimestamps) -> ! {
         log!("{e}; rebooting");
         init::reboot();
     }
+    if params.egress {
+        // After the reaper: the relay's threads inherit the blocked SIGCHLD, so they never take
+        // the signal the reaper waits for. No command runs without the promised network.
+        egress::loopback_up().unwrap_or_else(|e| fatal("egress: loopback", &e));
+        egress::start(egress::guest_address(), egress::Upstream::Vsock)
+            .unwrap_or_else(|e| fatal("egress: listen on 127.0.0.1:3128", &e));
+    }
     let listener = match vsock::listen(AGENT_PORT) {
         Ok(fd) => Listener::Vsock(fd),
         Err(e) => {
@@ -123,12 +154,13 @@ fn run_pid1(started: BootTimestamps) -> ! {
     server::serve(&listener, ShutdownAction::Reboot)
 }
 
-fn run_test_mode(
-    started: BootTimestamps,
-    listen: PathBuf,
-    ready: Option<PathBuf>,
-    layers: Option<(PathBuf, PathBuf)>,
-) -> ExitCode {
+fn run_test_mode(started: BootTimestamps, mode: TestMode) -> ExitCode {
+    let TestMode {
+        listen,
+        ready,
+        layers,
+        egress,
+    } = mode;
     if let Some((upper, lower)) = layers {
         workspace::use_layers(upper, lower);
     }
@@ -138,6 +170,13 @@ fn run_test_mode(
     if let Err(e) = reaper::start(false) {
         log!("{e}");
         return ExitCode::FAILURE;
+    }
+    // After the reaper, as in PID-1 mode (see `run_pid1`).
+    if let Some((addr, path)) = egress {
+        if let Err(e) = egress::start(addr, egress::Upstream::Unix(path)) {
+            log!("egress: listen on {addr}: {e}");
+            return ExitCode::FAILURE;
+        }
     }
     let listener = match UnixListener::bind(&listen) {
         Ok(l) => Listener::Unix(l),
@@ -166,11 +205,7 @@ fn main() -> ExitCode {
             println!("bulkhead-agent {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
         }
-        Ok(Args::Test {
-            listen,
-            ready,
-            layers,
-        }) => run_test_mode(started, listen, ready, layers),
+        Ok(Args::Test(mode)) => run_test_mode(started, mode),
         Err(message) => {
             eprint!("bulkhead-agent: {message}\n{USAGE}");
             ExitCode::from(2)
@@ -196,14 +231,41 @@ mod tests {
         // Assert
         assert_eq!(
             full,
-            Ok(Args::Test {
+            Ok(Args::Test(TestMode {
                 listen: "/a".into(),
                 ready: Some("/b".into()),
                 layers: None,
-            })
+                egress: None,
+            }))
         );
         assert!(missing.unwrap_err().contains("--listen-unix"));
         assert!(dangling.unwrap_err().contains("needs a PATH"));
+    }
+
+    #[test]
+    fn the_egress_relay_needs_an_address_and_a_socket() {
+        // Arrange / Act
+        let both = args(&[
+            "--listen-unix",
+            "/a",
+            "--egress-listen",
+            "127.0.0.1:4000",
+            "--egress-unix",
+            "/p",
+        ]);
+        let alone = args(&["--listen-unix", "/a", "--egress-unix", "/p"]);
+        let bad = args(&["--listen-unix", "/a", "--egress-listen", "localhost"]);
+
+        // Assert
+        let Ok(Args::Test(mode)) = both else {
+            panic!("{both:?}");
+        };
+        assert_eq!(
+            mode.egress,
+            Some(("127.0.0.1:4000".parse().unwrap(), "/p".into()))
+        );
+        assert!(alone.unwrap_err().contains("go together"));
+        assert!(bad.unwrap_err().contains("not an address"));
     }
 
     #[test]

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_client::{
-    Client, CreateSandbox, ExecEvent, ExecSpec, SandboxInfo, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
+    Client, CreateSandbox, ExecEvent, ExecSpec, NetworkRequest, NetworkRule, SandboxInfo,
+    SecretRef, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 use bulkhead_sandbox::{Mount, Workspace};
 
@@ -85,6 +86,8 @@ pub struct CreateArgs {
     /// Guest user of every exec that names none (name, uid or uid:gid) [default: root].
     #[arg(long, short = 'u', value_name = "USER")]
     user: Option<String>,
+    #[command(flatten)]
+    network: crate::network::NetworkArgs,
     /// Destroy the sandbox after this many seconds.
     #[arg(long, value_name = "SECS")]
     ttl: Option<u64>,
@@ -175,6 +178,9 @@ pub struct LogsArgs {
     /// How many lines (at most 10000).
     #[arg(long, short = 'n', default_value_t = 200)]
     lines: usize,
+    /// Print the sandbox's egress log instead: one line per decision of its egress proxy.
+    #[arg(long, conflicts_with = "lines")]
+    egress: bool,
     /// The sandbox: its ID, or a prefix of it that no other sandbox's ID starts with.
     #[arg(value_parser = clap::builder::NonEmptyStringValueParser::new())]
     id: String,
@@ -231,7 +237,49 @@ fn create_spec(args: &CreateArgs) -> Result<CreateSandbox, String> {
         hostname: args.hostname.clone(),
         workdir: args.workdir.clone(),
         user: args.user.clone(),
+        network: network_request(&args.network)?,
     })
+}
+
+/// The `network` of a create request for the network flags (a `--policy` file is read here,
+/// by the client). Secret values are the daemon's (`[secrets]`): only names travel.
+fn network_request(args: &crate::network::NetworkArgs) -> Result<Option<NetworkRequest>, String> {
+    let (spec, hosts) = args.spec()?;
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    Ok(Some(NetworkRequest {
+        mode: serde_json::to_value(spec.mode)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned)),
+        allow: spec.allow,
+        deny: spec.deny,
+        allow_cidr: spec.allow_cidr,
+        rules: spec
+            .rules
+            .into_iter()
+            .map(|r| NetworkRule {
+                host: r.host,
+                action: serde_json::to_value(r.action)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned)),
+                methods: r.methods,
+                paths: r.paths,
+            })
+            .collect(),
+        secrets: spec
+            .secrets
+            .into_iter()
+            .map(|s| SecretRef {
+                name: s.name,
+                hosts: s.hosts,
+            })
+            .collect(),
+        hosts: hosts
+            .into_iter()
+            .map(|(n, a)| (n, a.iter().map(ToString::to_string).collect()))
+            .collect(),
+    }))
 }
 
 /// `bulkhead create`.
@@ -439,12 +487,12 @@ pub fn rm(args: RmArgs) -> ExitCode {
 /// `bulkhead logs`.
 pub fn logs(args: LogsArgs) -> ExitCode {
     block_on(async move {
-        let text = args
-            .daemon
-            .client()
-            .logs(&args.id, args.lines)
-            .await
-            .map_err(|e| e.to_string())?;
+        let client = args.daemon.client();
+        let text = match args.egress {
+            true => client.egress_log(&args.id).await,
+            false => client.logs(&args.id, args.lines).await,
+        }
+        .map_err(|e| e.to_string())?;
         print_stdout(&text)?;
         Ok(0)
     })

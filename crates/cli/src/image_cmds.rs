@@ -51,7 +51,7 @@ struct BuildArgs {
     #[arg(long)]
     name: Option<String>,
     /// Packages to install on top of the defaults (python3, git, bash, coreutils,
-    /// ca-certificates, procps, mount), comma-separated; repeatable.
+    /// ca-certificates, curl, procps, mount), comma-separated; repeatable.
     #[arg(long, value_name = "P1,P2", value_delimiter = ',')]
     packages: Vec<String>,
     /// Install only the packages given with --packages (plus Debian's essential set and apt).

@@ -8,6 +8,7 @@ mod bench;
 mod cli_docs_tests;
 mod daemon_cmds;
 mod image_cmds;
+mod network;
 mod run;
 mod run_export;
 mod rundir;
@@ -56,6 +57,21 @@ enum Command {
     Export(workspace_cmds::ExportArgs),
     /// Build, list and delete root filesystem images (`bulkhead run --image NAME`).
     Image(image_cmds::ImageArgs),
+    /// The sandboxes' network: the presets of `--allow @NAME` (docs/network.md).
+    Network(NetworkCmd),
+}
+
+/// `bulkhead network`.
+#[derive(Debug, clap::Args)]
+struct NetworkCmd {
+    #[command(subcommand)]
+    verb: NetworkVerb,
+}
+
+#[derive(Debug, Subcommand)]
+enum NetworkVerb {
+    /// List the presets `--allow @NAME` takes, with their hosts.
+    Presets,
 }
 
 impl Command {
@@ -70,6 +86,7 @@ impl Command {
                 | Command::Logs(_)
                 | Command::Diff(_)
                 | Command::Image(_)
+                | Command::Network(_)
         )
     }
 }
@@ -152,6 +169,9 @@ fn main() -> ExitCode {
         Command::Diff(args) => workspace_cmds::diff(args),
         Command::Export(args) => workspace_cmds::export(args),
         Command::Image(args) => image_cmds::image(args),
+        Command::Network(NetworkCmd {
+            verb: NetworkVerb::Presets,
+        }) => network::print_presets(),
     }
 }
 

@@ -18,6 +18,7 @@ use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 
+use crate::network::{self, NetworkArgs};
 use crate::{run_export, rundir};
 use closed_stdio::Output;
 use output::{forward_stdin, write_out};
@@ -126,6 +127,16 @@ pub struct RunArgs {
     /// with `.bulkhead-export/deleted` and `.bulkhead-export/manifest.json`.
     #[arg(long, value_name = "FILE")]
     export_tar: Option<PathBuf>,
+    #[command(flatten)]
+    network: NetworkArgs,
+    /// The value of secret NAME (`--secret NAME=HOSTS`) from FILE instead of the environment
+    /// variable NAME (one trailing newline is dropped) (repeatable).
+    #[arg(long = "secret-file", value_name = "NAME=PATH")]
+    secret_files: Vec<String>,
+    /// Keep the egress proxy's log (JSON lines: time, host, port, method, path, decision, rule,
+    /// bytes) in FILE; without it the log goes with the sandbox.
+    #[arg(long = "egress-log", value_name = "FILE")]
+    egress_log: Option<PathBuf>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     command: Vec<String>,
@@ -234,7 +245,6 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     // Bad images, disks, shares and boot files are the user's to fix on any host: `build`
     // reports them before anything host-specific.
     let mut recipe = recipe(&args, &id)?;
-    let request = exec_request(&args, &recipe.exec);
     let export_to = run_export::target(
         args.export_patch.as_deref(),
         args.export_tar.as_deref(),
@@ -259,6 +269,9 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
             return Err(e.to_string());
         }
     };
+    // With a network, the proxy's variables and the secrets' placeholders exist only now.
+    let defaults = recipe.exec.clone().with_network(sandbox.egress_env());
+    let request = exec_request(&args, &defaults);
     let patience = agent_patience(args.boot_timeout);
     let outcome = run_command(&sandbox, &request, &router, patience);
     let outcome = match (outcome, router.command_ended()) {
@@ -425,14 +438,18 @@ fn shell_quote(word: &str) -> String {
 
 /// The sandbox `bulkhead run` asks for: its flags as a [`SandboxSpec`] (no labels: a run is
 /// gone when it ends).
-fn sandbox_spec(args: &RunArgs) -> SandboxSpec {
+///
+/// # Errors
+/// A malformed network flag or policy file.
+fn sandbox_spec(args: &RunArgs) -> Result<SandboxSpec, String> {
+    let (network, extra_hosts) = args.network.spec()?;
     let env = args
         .env
         .iter()
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
-    SandboxSpec {
+    Ok(SandboxSpec {
         vcpus: args.vcpus,
         memory_mib: args.memory,
         kernel: args.kernel.clone().map(FileRef::Path),
@@ -451,7 +468,9 @@ fn sandbox_spec(args: &RunArgs) -> SandboxSpec {
         hostname: args.hostname.clone(),
         labels: Default::default(),
         kernel_args: args.kernel_args.clone(),
-    }
+        network,
+        extra_hosts,
+    })
 }
 
 /// `--image`: a path when it contains a slash, else a name of the image store (or, when the
@@ -463,10 +482,15 @@ pub(crate) fn image_ref(value: &str) -> FileRef {
     }
 }
 
-/// This machine's settings for a run: the defaults, with `--initrd`, the boot timeout and the
-/// console.
-fn host_settings(args: &RunArgs) -> HostSettings {
+/// This machine's settings for a run: the defaults, with `--initrd`, the boot timeout, the
+/// console, the egress log and the values of `spec`'s secrets.
+///
+/// # Errors
+/// A secret without a value.
+fn host_settings(args: &RunArgs, spec: &SandboxSpec) -> Result<HostSettings, String> {
     let mut host = HostSettings::local();
+    host.secrets = network::secret_values(spec.network.as_ref(), &args.secret_files)?;
+    host.egress_log.clone_from(&args.egress_log);
     host.ready_timeout = args.boot_timeout;
     if let Some(initrd) = &args.initrd {
         host.initrd = initrd.clone();
@@ -474,13 +498,14 @@ fn host_settings(args: &RunArgs) -> HostSettings {
     if let Some(console) = &args.console {
         host.console = SerialOutput::File(console.clone());
     }
-    host
+    Ok(host)
 }
 
 /// The recipe of sandbox `id` for `args` (everything checked, nothing started).
 fn recipe(args: &RunArgs, id: &str) -> Result<Recipe, String> {
-    bulkhead_sandbox::build(&sandbox_spec(args), &host_settings(args), id)
-        .map_err(|e| e.to_string())
+    let spec = sandbox_spec(args)?;
+    let host = host_settings(args, &spec)?;
+    bulkhead_sandbox::build(&spec, &host, id).map_err(|e| e.to_string())
 }
 
 /// The environment variables that override the default kernel, initramfs and VMM

@@ -33,7 +33,8 @@ use hyper::{Method, StatusCode};
 pub use exec::{ExecEvent, ExecOutput, ExecStream};
 pub use types::{
     CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo, Failure,
-    FileWritten, Health, Limits, SandboxInfo, SandboxState, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
+    FileWritten, Health, Limits, NetworkRequest, NetworkRule, SandboxInfo, SandboxState, SecretRef,
+    MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 pub use workspace::{
     ChangeKind, ChangeStatus, ExportFormat, ExportReview, MountSpec, SkippedPath, WorkspaceChange,
@@ -211,6 +212,12 @@ impl Client {
     pub async fn logs(&self, id: &str, lines: usize) -> Result<String, Error> {
         self.text(&format!("{}?lines={lines}", sandbox_path(id, "/logs")))
             .await
+    }
+
+    /// `GET /v1/sandboxes/{id}/egress`: the sandbox's egress log, JSON lines (one decision of
+    /// its egress proxy each: time, host, port, method, path, decision, rule, reason, bytes).
+    pub async fn egress_log(&self, id: &str) -> Result<String, Error> {
+        self.text(&sandbox_path(id, "/egress")).await
     }
 
     /// `GET /v1/sandboxes/{id}/workspace/diff`: what changed in the sandbox's workspace.

@@ -100,6 +100,70 @@ pub struct CreateSandbox {
     /// Guest user of every exec that names none: name, uid or uid:gid. None: root.
     #[serde(default)]
     pub user: Option<String>,
+    /// The sandbox's network. None: no network at all (no device, no proxy, no way out).
+    #[serde(default)]
+    pub network: Option<NetworkRequest>,
+}
+
+/// A sandbox's network (see docs/network.md): every connection leaves through the host's egress
+/// proxy, which decides it against these rules and logs it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRequest {
+    /// `none`, `allowlist` (only what the rules name) or `allow-all` (any public address).
+    /// Default: `allowlist`.
+    #[serde(default)]
+    pub mode: Option<String>,
+    /// Allow rules: `HOST[:PORT]` (`example.com`, `*.example.com`, `**.example.com`; ports 80
+    /// and 443 by default) or a preset `@NAME`.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Deny rules: `HOST[:PORT]` (every port when none is given) or a CIDR; they beat allow
+    /// rules.
+    #[serde(default)]
+    pub deny: Vec<String>,
+    /// Allow rules for raw IP addresses, `CIDR[:PORT]`.
+    #[serde(default)]
+    pub allow_cidr: Vec<String>,
+    /// Rules with methods and path prefixes (TLS to their hosts is intercepted).
+    #[serde(default)]
+    pub rules: Vec<NetworkRule>,
+    /// Secrets of the daemon's configuration (`[secrets]`) to inject for some hosts.
+    #[serde(default)]
+    pub secrets: Vec<SecretRef>,
+    /// Names the proxy resolves to these IP addresses (like `docker run --add-host`).
+    #[serde(default)]
+    pub hosts: BTreeMap<String, Vec<String>>,
+}
+
+/// A rule with methods and path prefixes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRule {
+    /// `HOST[:PORT]`.
+    pub host: String,
+    /// `allow` (default) or `deny`.
+    #[serde(default)]
+    pub action: Option<String>,
+    /// Methods it covers (all when empty).
+    #[serde(default)]
+    pub methods: Vec<String>,
+    /// Path prefixes it covers (all when empty).
+    #[serde(default)]
+    pub paths: Vec<String>,
+}
+
+/// A configured secret and the hosts its value may go to.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SecretRef {
+    /// Its name in the daemon's `[secrets]`; commands see `$NAME` holding a placeholder.
+    pub name: String,
+    /// Host patterns whose requests get the value.
+    pub hosts: Vec<String>,
 }
 
 impl Default for CreateSandbox {
@@ -120,6 +184,7 @@ impl Default for CreateSandbox {
             hostname: None,
             workdir: None,
             user: None,
+            network: None,
         }
     }
 }
@@ -223,6 +288,9 @@ pub struct SandboxInfo {
     /// The guest's hostname.
     #[serde(default)]
     pub hostname: Option<String>,
+    /// The network as asked for; None: no network.
+    #[serde(default)]
+    pub network: Option<NetworkRequest>,
     /// Host limits of the VMM process.
     pub limits: Limits,
     /// Host process ID of the VMM while it runs: with the jail (a daemon running as root), the

@@ -1,6 +1,7 @@
 //! The daemon's configuration: a TOML file (every key optional, unknown keys rejected) overridden
 //! by command-line flags. Defaults are documented on each field and in `docs/daemon.md`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -132,6 +133,38 @@ pub struct Config {
     /// the API can read (and, for read-write shares, change) what is below them, with the
     /// daemon's rights. Default: none, so requests cannot share host directories.
     pub mount_roots: Vec<PathBuf>,
+    /// Secrets a sandbox's network policy may name (`"secrets": [{"name", "hosts"}]` in a
+    /// create request): `NAME = { env = "VAR" }` (the daemon's environment variable VAR) or
+    /// `NAME = { file = "/path" }` (one trailing newline dropped), read at each create. The
+    /// egress proxy injects a value into the request headers of the hosts the request names,
+    /// in place of a placeholder; the value never enters a VM and no API call returns it.
+    pub secrets: BTreeMap<String, SecretSource>,
+}
+
+/// Where the value of a configured secret comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum SecretSource {
+    /// The daemon's environment variable of this name.
+    Env(String),
+    /// A file's contents (one trailing newline dropped).
+    File(PathBuf),
+}
+
+impl SecretSource {
+    /// The value now.
+    ///
+    /// # Errors
+    /// A message naming the variable or file.
+    pub fn read(&self) -> Result<String, String> {
+        match self {
+            SecretSource::Env(var) => std::env::var(var)
+                .map_err(|_| format!("the daemon has no environment variable {var}")),
+            SecretSource::File(path) => std::fs::read_to_string(path)
+                .map(|text| text.strip_suffix('\n').unwrap_or(&text).to_owned())
+                .map_err(|e| format!("{}: {e}", path.display())),
+        }
+    }
 }
 
 impl Default for Config {
@@ -147,6 +180,7 @@ impl Default for Config {
             image: bulkhead_sandbox::paths::default_initrd(),
             kernels_dir: None,
             images_dir: None,
+            secrets: BTreeMap::new(),
             max_disk_mib: 65536,
             on_shutdown: ShutdownPolicy::Destroy,
             on_restart: RestartPolicy::Adopt,

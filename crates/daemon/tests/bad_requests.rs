@@ -69,6 +69,30 @@ fn invalid_create_requests_are_refused_with_4xx() {
             "disk_mib needs an image",
         ),
         (r#"{"ttl_s":0}"#, 400, "invalid_request", "ttl_s"),
+        (
+            r#"{"network":{"allow":["*"]}}"#,
+            400,
+            "invalid_request",
+            "network:",
+        ),
+        (
+            r#"{"network":{"mode":"sideways"}}"#,
+            400,
+            "invalid_request",
+            "network.mode",
+        ),
+        (
+            r#"{"network":{"secrets":[{"name":"NOPE","hosts":["api.test"]}]}}"#,
+            400,
+            "invalid_request",
+            "unknown secret \"NOPE\"",
+        ),
+        (
+            r#"{"network":{"allow":["api.test"],"hosts":{"api.test":["not-an-ip"]}}}"#,
+            400,
+            "invalid_request",
+            "network.hosts.api.test",
+        ),
     ];
 
     // Act
@@ -92,6 +116,28 @@ fn invalid_create_requests_are_refused_with_4xx() {
         .block_on(client.list(&Default::default()))
         .unwrap()
         .is_empty());
+}
+
+#[test]
+fn the_egress_log_of_a_sandbox_without_a_network_is_a_409() {
+    // Arrange
+    let daemon = TestDaemon::start();
+    let client = daemon.client();
+    let sb = rt()
+        .block_on(client.create(&spec_with_labels(&[])))
+        .unwrap();
+
+    // Act
+    let (status, code, message) = send(
+        &client,
+        Method::GET,
+        &format!("/v1/sandboxes/{}/egress", sb.id),
+        "",
+    );
+
+    // Assert
+    assert_eq!((status, code.as_str()), (409, "conflict"), "{message}");
+    assert!(message.contains("without a network"), "{message}");
 }
 
 #[test]

@@ -474,3 +474,114 @@ fn a_sandbox_on_the_debian_image_runs_python_writes_to_its_scratch_disk_and_dele
         },
     );
 }
+
+/// What `sh -c 'echo $TERM $HOME; hostname; sleep 3 & echo done'` printed, with the hostname's
+/// 12 hex digits replaced by `ID`.
+fn same_shape(stdout: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stdout).into_owned();
+    text.lines()
+        .map(|line| match line.strip_prefix("bh-") {
+            Some(id) if id.len() == 12 && id.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                "bh-ID".to_owned()
+            }
+            _ => line.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+vm_test!(
+    fn a_daemon_exec_and_bulkhead_run_give_a_command_the_same_environment_and_hostname() {
+        // Arrange: the same command through `bulkhead run` and through the daemon.
+        let script = "echo $TERM $HOME; hostname; sleep 3 & echo done";
+        let a = bulkhead_tests::artifacts();
+        let daemon = real_daemon("", &[]);
+        let client = daemon.client();
+        let rt = rt();
+        let sb = rt
+            .block_on(client.create(&small(128)))
+            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+
+        // Act
+        let run = std::process::Command::new(&a.cli)
+            .args(["run", "--", "sh", "-c", script])
+            .env("BULKHEAD_KERNEL", &a.vmlinux)
+            .env("BULKHEAD_INITRD", &a.agent_initrd)
+            .env("BULKHEAD_VMM", &a.vmm)
+            .output()
+            .expect("run bulkhead");
+        let started = Instant::now();
+        let exec = rt
+            .block_on(client.exec_collect(&sb.id, &ExecSpec::new(["sh", "-c", script])))
+            .unwrap_or_else(|e| panic!("exec: {e}"));
+        let exec_took = started.elapsed();
+        rt.block_on(client.delete(&sb.id)).unwrap();
+
+        // Assert: the same environment and hostname scheme. The documented difference: the
+        // daemon's exec (like `docker exec`) waits for the background sleep, which holds its
+        // output, while a run (like `docker run`) ends with the command.
+        assert!(run.status.success(), "{run:?}");
+        assert_eq!(exec.exit.code, Some(0), "{exec:?}");
+        let expected = "dumb /root\nbh-ID\ndone";
+        assert_eq!(same_shape(&run.stdout), expected, "{run:?}");
+        assert_eq!(same_shape(&exec.stdout), expected, "{exec:?}");
+        assert!(
+            exec_took >= Duration::from_secs(3),
+            "the exec ended after {exec_took:?}, before the sleep that held its output"
+        );
+    }
+);
+
+vm_test!(
+    fn a_sandbox_with_a_network_reaches_only_what_it_allows_and_its_egress_log_says_so() {
+        // Arrange: a plain-HTTP test server on the test host's loopback, allowed by CIDR and
+        // port; the guest's busybox wget honours http_proxy.
+        let server_rt = multi_rt();
+        let ca = bulkhead_egress::testing::TestCa::new();
+        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
+        let port = server.http_port;
+        let daemon = real_daemon("", &[]);
+        let client = daemon.client();
+        let rt = rt();
+        let request = bulkhead_client::CreateSandbox {
+            network: Some(bulkhead_client::NetworkRequest {
+                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
+                ..Default::default()
+            }),
+            ..small(128)
+        };
+        let sb = rt
+            .block_on(client.create(&request))
+            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let script = format!(
+            "wget -q -O - http://127.0.0.1:{port}/; echo; wget -q -O - http://127.0.0.1:1/ 2>&1"
+        );
+
+        // Act
+        let out = rt
+            .block_on(client.exec_collect(&sb.id, &ExecSpec::new(["sh", "-c", &script])))
+            .unwrap_or_else(|e| panic!("exec: {e}"));
+        let log = rt.block_on(client.egress_log(&sb.id)).unwrap();
+        let info = rt.block_on(client.get(&sb.id)).unwrap();
+        rt.block_on(client.delete(&sb.id)).unwrap();
+
+        // Assert
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("hello from the test server"), "{out:?}");
+        assert!(stdout.contains("403"), "port 1 was not refused: {out:?}");
+        assert!(
+            log.lines()
+                .any(|l| l.contains(&format!("\"port\":{port}")) && l.contains("\"allow\"")),
+            "{log}"
+        );
+        assert!(
+            log.lines()
+                .any(|l| l.contains("\"port\":1,") && l.contains("\"deny\"")),
+            "{log}"
+        );
+        assert_eq!(
+            info.network.and_then(|n| n.mode).as_deref(),
+            Some("allowlist")
+        );
+    }
+);

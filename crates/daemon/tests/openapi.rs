@@ -82,6 +82,7 @@ fn the_openapi_document_is_valid_and_matches_the_routes() {
         ("GET", "/v1/sandboxes/{id}"),
         ("DELETE", "/v1/sandboxes/{id}"),
         ("GET", "/v1/sandboxes/{id}/logs"),
+        ("GET", "/v1/sandboxes/{id}/egress"),
         ("POST", "/v1/sandboxes/{id}/exec"),
         ("POST", "/v1/sandboxes/{id}/exec/collect"),
         ("PUT", "/v1/sandboxes/{id}/files"),

@@ -51,6 +51,8 @@ pub mod policy;
 pub mod proxy;
 pub mod resolve;
 pub mod secrets;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tls;
 
 pub use log::{read_log, LogEntry};

@@ -117,6 +117,13 @@ impl StaticResolver {
     }
 }
 
+impl StaticResolver {
+    /// Whether the table has an answer for `name`.
+    pub fn contains(&self, name: &HostName) -> bool {
+        self.answers.contains_key(name.as_str())
+    }
+}
+
 impl Resolve for StaticResolver {
     fn resolve<'a>(&'a self, name: &'a HostName) -> ResolveFuture<'a> {
         let answer = self.answers.get(name.as_str()).cloned();
@@ -125,5 +132,60 @@ impl Resolve for StaticResolver {
                 name: name.to_string(),
             })
         })
+    }
+}
+
+/// Names pinned to addresses first (a sandbox's `extra_hosts`, like `docker run --add-host`),
+/// then the host's resolver ([`SystemResolver`], made on first use inside the proxy's runtime).
+/// Pinned addresses are vetted like any other answer.
+#[derive(Debug)]
+pub struct HostsResolver {
+    pinned: StaticResolver,
+    system: std::sync::OnceLock<Result<SystemResolver, String>>,
+}
+
+impl HostsResolver {
+    /// A resolver answering `pinned` names from the table and the rest from the host's.
+    pub fn new(pinned: StaticResolver) -> HostsResolver {
+        HostsResolver {
+            pinned,
+            system: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+impl Resolve for HostsResolver {
+    fn resolve<'a>(&'a self, name: &'a HostName) -> ResolveFuture<'a> {
+        if self.pinned.contains(name) {
+            return self.pinned.resolve(name);
+        }
+        Box::pin(async move {
+            let system = self
+                .system
+                .get_or_init(|| SystemResolver::new().map_err(|e| e.to_string()));
+            match system {
+                Ok(system) => system.resolve(name).await,
+                Err(why) => Err(ResolveError::Setup(why.clone())),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn pinned_names_are_answered_from_the_table() {
+        // Arrange
+        let addr: IpAddr = "127.0.0.1".parse().unwrap();
+        let resolver = HostsResolver::new(StaticResolver::new().with("API.test.", &[addr]));
+        let name = HostName::parse("api.test").unwrap();
+
+        // Act
+        let answer = resolver.resolve(&name).await;
+
+        // Assert
+        assert_eq!(answer.unwrap(), vec![addr]);
     }
 }

@@ -8,12 +8,13 @@ pub const DEFAULT_SUITE: &str = "bookworm";
 /// Packages installed when none are given, on top of the `apt` variant's base set (Debian's
 /// essential packages and apt): the tools an AI coding agent's commands expect (python3, git,
 /// bash, coreutils, TLS roots) plus `procps` (`ps`, `kill`, `top`) and `mount`.
-pub const DEFAULT_PACKAGES: [&str; 7] = [
+pub const DEFAULT_PACKAGES: [&str; 8] = [
     "python3",
     "git",
     "bash",
     "coreutils",
     "ca-certificates",
+    "curl",
     "procps",
     "mount",
 ];

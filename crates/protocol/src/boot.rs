@@ -11,6 +11,7 @@
 //! bulkhead.overlay=tmpfs|/dev/vdY        its writable layer (default tmpfs; needs bulkhead.root)
 //! bulkhead.workspace=TAG:DIR:clone       a clone workspace: virtio-fs TAG under an overlay at DIR
 //! bulkhead.mount=TAG:DIR[:ro]            a virtio-fs share mounted at DIR (repeatable, in order)
+//! bulkhead.egress=on                     relay 127.0.0.1:3128 to the host's egress proxy
 //! ```
 //!
 //! `TAG` is a virtio-fs mount tag (1-36 of `[A-Za-z0-9_-]`, virtio 1.2 §5.11.4 allows 36 bytes);
@@ -44,6 +45,10 @@ pub const OVERLAY_TMPFS: &str = "tmpfs";
 pub const MOUNT_KEY: &str = "bulkhead.mount";
 /// Key of the clone workspace.
 pub const WORKSPACE_KEY: &str = "bulkhead.workspace";
+/// Key of the egress relay ([`EGRESS_ON`] is its only value).
+pub const EGRESS_KEY: &str = "bulkhead.egress";
+/// The value of [`EGRESS_KEY`] that turns the relay on.
+pub const EGRESS_ON: &str = "on";
 /// Suffix of a [`WORKSPACE_KEY`] value: the only mode the agent sets up itself (a direct
 /// workspace is a plain read-write [`MOUNT_KEY`] share).
 pub const CLONE_SUFFIX: &str = ":clone";
@@ -65,6 +70,9 @@ pub struct BootParams {
     pub workspace: Option<Share>,
     /// Shares to mount, in this order (the host lists parents first).
     pub mounts: Vec<Share>,
+    /// Bring the loopback interface up and relay `127.0.0.1:3128` to the host's egress proxy
+    /// (`crate::EGRESS_PORT`). Without it the guest has no way out at all.
+    pub egress: bool,
 }
 
 /// A read-only root image and where its writable layer lives.
@@ -119,7 +127,7 @@ pub enum BootParamError {
 
 impl BootParams {
     /// The kernel command-line parameters for these values, each `KEY=VALUE` without white
-    /// space, in a fixed order (hostname, root, overlay, workspace, mounts).
+    /// space, in a fixed order (hostname, root, overlay, workspace, mounts, egress).
     ///
     /// ```
     /// use bulkhead_protocol::boot::{BootParams, Share};
@@ -171,6 +179,9 @@ impl BootParams {
             }
             out.push(format!("{MOUNT_KEY}={value}"));
         }
+        if self.egress {
+            out.push(format!("{EGRESS_KEY}={EGRESS_ON}"));
+        }
         Ok(out)
     }
 
@@ -199,6 +210,15 @@ impl BootParams {
                     parse_workspace(value)?,
                 )?,
                 MOUNT_KEY => params.mounts.push(parse_mount(value)?),
+                EGRESS_KEY => {
+                    if value != EGRESS_ON {
+                        return Err(invalid(EGRESS_KEY, value, "the only value is on"));
+                    }
+                    if params.egress {
+                        return Err(BootParamError::Repeated(EGRESS_KEY));
+                    }
+                    params.egress = true;
+                }
                 _ => {}
             }
         }

@@ -20,6 +20,7 @@ fn everything() -> BootParams {
             share("mount1", "/work", false),
             share("mount0", "/work/in:ner%dir", true),
         ],
+        egress: true,
     }
 }
 
@@ -44,6 +45,7 @@ fn every_field_round_trips_through_the_command_line() {
             "bulkhead.workspace=workspace:/work%20space:clone",
             "bulkhead.mount=mount1:/work",
             "bulkhead.mount=mount0:/work/in%3Aner%25dir:ro",
+            "bulkhead.egress=on",
         ]
     );
 }
@@ -111,6 +113,7 @@ fn malformed_values_are_refused_naming_their_key() {
         ),
         ("bulkhead.workspace=workspace:/a/../b:clone", WORKSPACE_KEY),
         ("bulkhead.workspace=bad/tag:/workspace:clone", WORKSPACE_KEY),
+        ("bulkhead.egress=off", EGRESS_KEY),
     ];
 
     // Act
@@ -136,6 +139,7 @@ fn single_valued_keys_given_twice_and_an_overlay_without_a_root_are_refused() {
         "bulkhead.root=/dev/vdc bulkhead.root=/dev/vda",
         "bulkhead.root=/dev/vda bulkhead.overlay=tmpfs bulkhead.overlay=/dev/vdb",
         "bulkhead.workspace=w:/a:clone bulkhead.workspace=w:/b:clone",
+        "bulkhead.egress=on bulkhead.egress=on",
         "bulkhead.overlay=/dev/vdb",
     ];
 
@@ -143,13 +147,13 @@ fn single_valued_keys_given_twice_and_an_overlay_without_a_root_are_refused() {
     let results: Vec<_> = cases.iter().map(|c| BootParams::parse(c)).collect();
 
     // Assert
-    for (cmdline, result) in cases.iter().zip(&results[..4]) {
+    for (cmdline, result) in cases.iter().zip(&results[..5]) {
         assert!(
             matches!(result, Err(BootParamError::Repeated(_))),
             "{cmdline}: {result:?}"
         );
     }
-    assert_eq!(results[4], Err(BootParamError::OverlayWithoutRoot));
+    assert_eq!(results[5], Err(BootParamError::OverlayWithoutRoot));
 }
 
 #[test]

@@ -45,6 +45,15 @@ pub const AGENT_PORT: u32 = 1024;
 /// With the hybrid backend the host listens on the Unix socket `<vm socket path>_1025`.
 pub const READY_PORT: u32 = 1025;
 
+/// The host vsock port the agent connects to (guest → CID 2) for each connection a guest
+/// program opens to its proxy (the egress relay, `bulkhead.egress=on`). With the hybrid backend
+/// the host's egress proxy listens on the Unix socket `<vm socket path>_1026`.
+pub const EGRESS_PORT: u32 = 1026;
+
+/// The guest TCP port on `127.0.0.1` where the agent's egress relay listens; guest programs get
+/// `HTTP_PROXY=http://127.0.0.1:3128`.
+pub const GUEST_PROXY_PORT: u16 = 3128;
+
 /// Version of this protocol. Carried in [`Ready`] and in every host request; a peer that sees
 /// another version answers with an `Error` frame and closes the connection.
 pub const PROTOCOL_VERSION: u32 = 1;

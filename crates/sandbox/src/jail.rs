@@ -261,7 +261,7 @@ fn only_child(pid: u32) -> Option<u32> {
 
 /// As root, gives `path` to the owner of the runtime directory `dir`'s `vmm/`: the jailed VMM's
 /// uid/gid (root itself when the VMM is not jailed, which changes nothing).
-fn hand_to_vmm(dir: &Path, path: &Path) -> io::Result<()> {
+pub(crate) fn hand_to_vmm(dir: &Path, path: &Path) -> io::Result<()> {
     if !active(true) {
         return Ok(());
     }

@@ -29,6 +29,7 @@
 #![deny(missing_docs)]
 
 pub mod cgroup;
+pub mod egress;
 pub mod jail;
 pub mod mounts;
 pub mod paths;

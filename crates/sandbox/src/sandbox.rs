@@ -15,6 +15,7 @@ use bulkhead_protocol::{ExecRequest, Ready, READY_PORT};
 use bulkhead_vmm::boot::cmdline::DEFAULT_CMDLINE;
 use bulkhead_vmm::config::{DiskConfig, SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID};
 
+use crate::egress::{self, EgressError, EgressSettings};
 use crate::jail::{self, Jail, JailError};
 use crate::mounts::{self, Mount, MountError};
 use crate::phases::{self, PhaseClock, Timings, REPORT_FILE};
@@ -24,6 +25,7 @@ use crate::spec::{HostSettings, SandboxSpec};
 use crate::storage::{self, Prepared, Storage, StorageError};
 use crate::vmm_process::{start_time_of, Adopted, VmEnd, VmmProcess};
 use crate::workspace::{self, Workspace, WorkspaceError};
+use bulkhead_egress::EgressProxy;
 
 /// The VMM's exit report in the runtime directory (`bulkhead-vmm --exit-file`).
 pub const EXIT_FILE: &str = "exit.json";
@@ -128,6 +130,9 @@ pub enum Error {
     /// The VMM cannot be jailed ([`SandboxConfig::jail`]).
     #[error(transparent)]
     Jail(#[from] JailError),
+    /// The sandbox's network could not be set up.
+    #[error(transparent)]
+    Egress(#[from] EgressError),
     /// A boot parameter for the guest agent is invalid (e.g. [`SandboxConfig::hostname`]), or
     /// an extra kernel parameter uses the agent's `bulkhead.` keys.
     #[error("{0}")]
@@ -178,6 +183,9 @@ pub struct SandboxConfig {
     /// default (`BULKHEAD_JAIL=off` turns the default off, for debugging). Without root the VMM
     /// is never jailed.
     pub jail: bool,
+    /// The sandbox's network: its egress proxy's settings (see [`crate::egress`]); no network
+    /// (no proxy, no way out of the guest) when `None`.
+    pub egress: Option<EgressSettings>,
 }
 
 impl Default for SandboxConfig {
@@ -217,6 +225,9 @@ pub struct Sandbox {
     /// The VMM's timeline, for phases measured after the start.
     clock: Option<PhaseClock>,
     first_output: OnceLock<Instant>,
+    /// The egress proxy, when the sandbox has a network; stopped after the VMM.
+    egress: Option<EgressProxy>,
+    egress_log: Option<PathBuf>,
 }
 
 impl Sandbox {
@@ -259,6 +270,8 @@ impl Sandbox {
             true => Jail::prepare(dir.path(), &vm, &ready_path)?.args(),
             false => Vec::new(),
         };
+        // Listening before the guest exists; stopped (dropped) if anything below fails.
+        let egress = start_egress(config, dir.path(), &uds_path)?;
         let log_path = dir.path().join("vmm.log");
         let report_path = dir.path().join(REPORT_FILE);
         let exit_path = dir.path().join(EXIT_FILE);
@@ -279,7 +292,13 @@ impl Sandbox {
             log: &log_path,
             exit: &exit_path,
         };
-        let ready = match wait_ready(&listener, &mut child, files, config.ready_timeout) {
+        let ready =
+            wait_ready(&listener, &mut child, files, config.ready_timeout).and_then(|ready| {
+                let client = AgentClient::hybrid(&uds_path).with_timeout(config.ready_timeout);
+                install_egress_ca(&client, egress.as_ref())?;
+                Ok(ready)
+            });
+        let ready = match ready {
             Ok(ready) => ready,
             Err(e) => {
                 let _ = process::terminate(&mut child, STOP_GRACE);
@@ -294,6 +313,12 @@ impl Sandbox {
             vmm_start: clock.map(|c| c.origin().saturating_duration_since(started)),
             phases,
         };
+        let egress_log = config.egress.as_ref().map(|settings| {
+            settings
+                .log
+                .clone()
+                .unwrap_or_else(|| dir.path().join(egress::EGRESS_LOG))
+        });
         Ok(Sandbox {
             dir: Some(dir.keep()),
             child: Some(VmmProcess::Child(child)),
@@ -302,7 +327,26 @@ impl Sandbox {
             timings,
             clock,
             first_output: OnceLock::new(),
+            egress,
+            egress_log,
         })
+    }
+
+    /// What every command of this sandbox needs for its network: the proxy variables
+    /// (`HTTP_PROXY`, `HTTPS_PROXY`, their lower-case forms, `NO_PROXY`, `NODE_USE_ENV_PROXY`),
+    /// the CA bundle variables, and each secret's placeholder. Empty without a network (and
+    /// for an adopted sandbox, whose proxy ended with its first owner).
+    pub fn egress_env(&self) -> Vec<(String, String)> {
+        self.egress
+            .as_ref()
+            .map(EgressProxy::guest_env)
+            .unwrap_or_default()
+    }
+
+    /// The sandbox's egress log (JSON lines, `bulkhead_egress::LogEntry`), when it has a
+    /// network.
+    pub fn egress_log(&self) -> Option<&Path> {
+        self.egress_log.as_deref()
     }
 
     /// A client for the guest agent (a new vsock connection per request).
@@ -458,6 +502,8 @@ impl Sandbox {
             },
             clock: None,
             first_output: OnceLock::new(),
+            egress: None,
+            egress_log: None,
         })
     }
 
@@ -520,6 +566,10 @@ impl Sandbox {
                 .map_err(Error::Process),
             None => Ok(()),
         };
+        // Every proxy task and socket ends here (after the guest that used them).
+        if let Some(proxy) = self.egress.take() {
+            proxy.shutdown();
+        }
         if let Some(dir) = self.dir.take() {
             if let Err(e) = fs::remove_dir_all(&dir) {
                 if e.kind() != io::ErrorKind::NotFound {
@@ -618,6 +668,7 @@ fn write_vm_config(
         root: disks.root.clone(),
         workspace: ws.param.clone(),
         mounts: shared.params,
+        egress: config.egress.is_some(),
     };
     let params = boot
         .to_params()
@@ -667,6 +718,35 @@ fn write_vm_config(
         source,
     })?;
     Ok(vm)
+}
+
+/// Starts the egress proxy of `config` (if it has a network) on the sandbox's egress socket in
+/// the runtime directory `dir`, handed to the jailed VMM's uid.
+fn start_egress(
+    config: &SandboxConfig,
+    dir: &Path,
+    uds_path: &Path,
+) -> Result<Option<EgressProxy>, Error> {
+    let Some(settings) = &config.egress else {
+        return Ok(None);
+    };
+    let proxy = egress::start(settings, dir, uds_path)?;
+    let socket = egress::socket_path(uds_path);
+    if jail::active(config.jail) {
+        jail::hand_to_vmm(dir, &socket).map_err(|source| EgressError::Socket {
+            path: socket,
+            source,
+        })?;
+    }
+    Ok(Some(proxy))
+}
+
+/// Writes the proxy's CA certificate into the guest, when there is a proxy.
+fn install_egress_ca(client: &AgentClient, proxy: Option<&EgressProxy>) -> Result<(), Error> {
+    match proxy {
+        Some(proxy) => Ok(egress::install_ca(client, proxy.ca_cert_pem())?),
+        None => Ok(()),
+    }
 }
 
 /// The files a starting VMM writes: its log and its exit report.

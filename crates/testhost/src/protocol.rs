@@ -169,6 +169,8 @@ mount -t devtmpfs devtmpfs /dev
 mkdir -p /dev/pts /dev/shm /tmp /root
 mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
+# Loopback, as any Linux host has it (servers that tests run on 127.0.0.1; the egress proxy).
+ip link set lo up
 log() {
   read -r up _ </proc/uptime
   echo "bulkhead-testhost: [$up] $*"

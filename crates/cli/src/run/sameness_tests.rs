@@ -45,15 +45,16 @@ impl Host {
         argv.extend(["--", "true"]);
         let args = super::tests::run_args(&argv);
         let d = self.dir.path();
+        let spec = sandbox_spec(&args).unwrap();
         let host = HostSettings {
             kernel: d.join("vmlinux"),
             initrd: d.join("initramfs"),
             vmm_binary: d.join("bulkhead-vmm"),
             images: bulkhead_image::ImageStore::at_images_dir(d.join("images")),
             runtime_dir: d.join("run"),
-            ..host_settings(&args)
+            ..host_settings(&args, &spec).unwrap()
         };
-        bulkhead_sandbox::build(&sandbox_spec(&args), &host, ID).unwrap()
+        bulkhead_sandbox::build(&spec, &host, ID).unwrap()
     }
 
     /// `POST /v1/sandboxes` with `request` on a daemon of this host.

@@ -75,9 +75,10 @@ fn env_flags_override_the_defaults_and_another_user_gets_no_default_home() {
     let as_user = run_args(&["--user", "1000", "true"]);
 
     // Act
-    let spec = sandbox_spec(&args);
+    let spec = sandbox_spec(&args).unwrap();
     let request = exec_request(&args, &ExecDefaults::of(&spec));
-    let user_request = exec_request(&as_user, &ExecDefaults::of(&sandbox_spec(&as_user)));
+    let user_spec = sandbox_spec(&as_user).unwrap();
+    let user_request = exec_request(&as_user, &ExecDefaults::of(&user_spec));
 
     // Assert
     assert!(request.env.contains(&"PATH=/x".to_owned()));
@@ -332,7 +333,7 @@ fn kernel_args_are_appended_to_the_guest_command_line_in_order() {
         "true",
     ]);
 
-    let spec = sandbox_spec(&args);
+    let spec = sandbox_spec(&args).unwrap();
 
     assert_eq!(spec.kernel_args, ["loglevel=7", "rodata=off"]);
 }

@@ -36,6 +36,7 @@ pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
         sandboxes::get_one,
         sandboxes::delete,
         sandboxes::logs,
+        sandboxes::egress,
         exec::exec_stream,
         exec::exec_collect,
         files::put_file,
@@ -60,6 +61,9 @@ pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
         bulkhead_client::WorkspaceSpec,
         bulkhead_client::WorkspaceMode,
         bulkhead_client::MountSpec,
+        bulkhead_client::NetworkRequest,
+        bulkhead_client::NetworkRule,
+        bulkhead_client::SecretRef,
         bulkhead_client::WorkspaceDiffInfo,
         bulkhead_client::WorkspaceChange,
         bulkhead_client::ChangeStatus,
@@ -93,6 +97,7 @@ pub fn router(manager: Manager) -> Router {
             get(sandboxes::get_one).delete(sandboxes::delete),
         )
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
+        .route("/v1/sandboxes/{id}/egress", get(sandboxes::egress))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec_stream))
         .route("/v1/sandboxes/{id}/exec/collect", post(exec::exec_collect))
         .route(

@@ -1,4 +1,4 @@
-//! `/v1/sandboxes`: create, list, inspect, delete, logs.
+//! `/v1/sandboxes`: create, list, inspect, delete, logs, egress log.
 
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, StatusCode};
@@ -88,6 +88,24 @@ pub async fn delete(
 ) -> Result<StatusCode, ApiError> {
     manager.destroy(&id).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The sandbox's egress log: one JSON object per line for each decision of its egress proxy
+/// (`time`, `host`, `port`, `via`, `method`, `path`, `decision`, `rule`, `reason`, `status`,
+/// `secrets`, `bytes_up`, `bytes_down`).
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/egress", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
+    responses(
+        (status = 200, description = "JSON lines, oldest first", body = String, content_type = "application/x-ndjson"),
+        (status = 400, description = "An ambiguous ID prefix", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox has no network", body = ErrorBody)))]
+pub async fn egress(
+    State(manager): State<Manager>,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let text = manager.egress_log(&id)?;
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], text))
 }
 
 /// The last lines of the VMM's output, which includes the guest's serial console.

@@ -63,6 +63,15 @@ fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
         let _ = EXIT_FILE.set(std::sync::Mutex::new(Some(file)));
     }
     let vm = VmConfig::from_file(&config).map_err(|e| e.to_string())?;
+    // Its "guest" is this host: a network would install the proxy's CA into the host's trust.
+    if vm
+        .cmdline
+        .as_deref()
+        .unwrap_or_default()
+        .contains("bulkhead.egress=")
+    {
+        return Err("the fake VMM has no network (its commands run on the host)".into());
+    }
     let vsock = vm.vsock.ok_or("the VM has no vsock device")?;
     if let Some(share) = vm.shares.iter().find(|s| s.tag == "workspace") {
         let upper = config.with_file_name("workspace-upper");

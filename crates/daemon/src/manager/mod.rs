@@ -265,7 +265,7 @@ impl Manager {
         match (&inner.state, &inner.sandbox) {
             (SandboxState::Running, Some(sandbox)) => Ok(AgentHandle {
                 client: sandbox.client(),
-                exec: ExecDefaults::of(&inner.record.spec),
+                exec: ExecDefaults::of(&inner.record.spec).with_network(sandbox.egress_env()),
             }),
             (state, _) => Err(ManagerError::Conflict {
                 id: entry.id.clone(),
@@ -289,6 +289,35 @@ impl Manager {
         Ok(runtime_dir
             .map(|dir| util::tail_lines(&dir.join("vmm.log"), lines))
             .unwrap_or_default())
+    }
+
+    /// The egress log of sandbox `id` (JSON lines), also after its VM ended (until it is
+    /// destroyed).
+    ///
+    /// # Errors
+    /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`], [`ManagerError::Conflict`] when
+    /// the sandbox has no network.
+    pub fn egress_log(&self, id: &str) -> Result<String, ManagerError> {
+        let entry = self.existing(id)?;
+        let (has_network, runtime_dir) = {
+            let inner = entry.lock();
+            let dir = inner.record.sandbox.as_ref().map(|s| s.runtime_dir.clone());
+            (inner.record.spec.has_network(), dir)
+        };
+        if !has_network {
+            return Err(ManagerError::Conflict {
+                id: entry.id.clone(),
+                state: "without a network",
+            });
+        }
+        let Some(dir) = runtime_dir else {
+            return Ok(String::new());
+        };
+        match std::fs::read_to_string(dir.join(bulkhead_sandbox::egress::EGRESS_LOG)) {
+            Ok(text) => Ok(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+            Err(e) => Err(ManagerError::Internal(format!("egress log of {id}: {e}"))),
+        }
     }
 
     /// Boots a sandbox; returns once its agent is ready.
@@ -394,6 +423,7 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
             })
             .collect(),
         hostname: Some(s.hostname.clone().unwrap_or_else(|| format!("bh-{}", r.id))),
+        network: plan::network_view(s),
         limits: r.limits.clone(),
         vmm_pid,
         failure: r.failure.clone(),

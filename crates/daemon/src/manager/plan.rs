@@ -4,12 +4,17 @@
 //! `mount_roots`, VMs that outlive the daemon) by the same builder as `bulkhead run`'s.
 
 use bulkhead_client::{CreateSandbox, WorkspaceMode as ApiMode};
+use bulkhead_egress::policy::{
+    NetworkMode, NetworkSpec, PolicyError, RuleAction, RuleSpec, SecretSpec, SecretValues,
+};
+use bulkhead_egress::secrets::SecretValue;
 use bulkhead_sandbox::spec::{self, SpecError};
 use bulkhead_sandbox::storage::{StorageError, MIN_SCRATCH_MIB};
 use bulkhead_sandbox::{
     FileRef, HostSettings, Mount, Recipe, ResourceLimits, SandboxSpec, Workspace, WorkspaceMode,
 };
 use bulkhead_vmm::config::SerialOutput;
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -77,7 +82,141 @@ pub fn spec_of(request: &CreateSandbox) -> SandboxSpec {
         hostname: request.hostname.clone(),
         labels: request.labels.clone(),
         kernel_args: Vec::new(),
+        network: None,
+        extra_hosts: Default::default(),
     }
+}
+
+/// The network of `request` as the spec's (its rules checked when the spec is built); the
+/// pinned names' addresses parsed.
+///
+/// # Errors
+/// [`ManagerError::Invalid`] for a bad mode, rule action or address.
+pub fn network_of(
+    request: &CreateSandbox,
+) -> Result<(Option<NetworkSpec>, PinnedHosts), ManagerError> {
+    let Some(net) = &request.network else {
+        return Ok((None, PinnedHosts::new()));
+    };
+    let mode = match net.mode.as_deref() {
+        None => NetworkMode::Allowlist,
+        Some(text) => text
+            .parse()
+            .map_err(|e: PolicyError| ManagerError::Invalid(format!("network.mode: {e}")))?,
+    };
+    let rules = net
+        .rules
+        .iter()
+        .map(|r| {
+            let action = match r.action.as_deref() {
+                None | Some("allow") => RuleAction::Allow,
+                Some("deny") => RuleAction::Deny,
+                Some(other) => {
+                    return Err(ManagerError::Invalid(format!(
+                        "network.rules: action {other:?} is not allow or deny"
+                    )))
+                }
+            };
+            Ok(RuleSpec {
+                host: r.host.clone(),
+                action,
+                methods: r.methods.clone(),
+                paths: r.paths.clone(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let mut hosts = PinnedHosts::new();
+    for (name, addrs) in &net.hosts {
+        let parsed = addrs
+            .iter()
+            .map(|a| a.parse::<IpAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| {
+                ManagerError::Invalid(format!("network.hosts.{name}: not IP addresses"))
+            })?;
+        hosts.insert(name.to_ascii_lowercase(), parsed);
+    }
+    let spec = NetworkSpec {
+        mode,
+        allow: net.allow.clone(),
+        deny: net.deny.clone(),
+        allow_cidr: net.allow_cidr.clone(),
+        rules,
+        secrets: net
+            .secrets
+            .iter()
+            .map(|s| SecretSpec {
+                name: s.name.clone(),
+                hosts: s.hosts.clone(),
+            })
+            .collect(),
+    };
+    Ok((Some(spec), hosts))
+}
+
+/// The API view of a spec's network (the inverse of [`network_of`]).
+pub fn network_view(spec: &SandboxSpec) -> Option<bulkhead_client::NetworkRequest> {
+    let net = spec.network.as_ref()?;
+    Some(bulkhead_client::NetworkRequest {
+        mode: serde_json::to_value(net.mode)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned)),
+        allow: net.allow.clone(),
+        deny: net.deny.clone(),
+        allow_cidr: net.allow_cidr.clone(),
+        rules: net
+            .rules
+            .iter()
+            .map(|r| bulkhead_client::NetworkRule {
+                host: r.host.clone(),
+                action: Some(match r.action {
+                    RuleAction::Allow => "allow".to_owned(),
+                    RuleAction::Deny => "deny".to_owned(),
+                }),
+                methods: r.methods.clone(),
+                paths: r.paths.clone(),
+            })
+            .collect(),
+        secrets: net
+            .secrets
+            .iter()
+            .map(|s| bulkhead_client::SecretRef {
+                name: s.name.clone(),
+                hosts: s.hosts.clone(),
+            })
+            .collect(),
+        hosts: spec
+            .extra_hosts
+            .iter()
+            .map(|(n, a)| (n.clone(), a.iter().map(ToString::to_string).collect()))
+            .collect(),
+    })
+}
+
+/// Pinned names of a network (`extra_hosts`).
+pub type PinnedHosts = std::collections::BTreeMap<String, Vec<IpAddr>>;
+
+/// The values of the secrets `spec`'s network names, from the daemon's `[secrets]`.
+///
+/// # Errors
+/// [`ManagerError::Invalid`] for a name the configuration lacks; [`ManagerError::Internal`] for
+/// a value that cannot be read.
+fn secret_values(config: &Config, spec: &SandboxSpec) -> Result<SecretValues, ManagerError> {
+    let mut values = SecretValues::new();
+    for name in spec.network.iter().flat_map(NetworkSpec::secret_names) {
+        let source = config.secrets.get(name).ok_or_else(|| {
+            ManagerError::Invalid(format!(
+                "network.secrets: unknown secret {name:?} (the daemon's configuration has \
+                 no [secrets] entry of that name)"
+            ))
+        })?;
+        let value = source
+            .read()
+            .and_then(|v| SecretValue::new(v).map_err(|e| e.to_string()))
+            .map_err(|e| ManagerError::Internal(format!("secret {name}: {e}")))?;
+        values.insert(name.to_owned(), value);
+    }
+    Ok(values)
 }
 
 /// How the daemon runs sandboxes: its kernels, initramfs and image store, names only, shares
@@ -101,6 +240,8 @@ pub fn host_settings(config: &Config, facts: HostFacts) -> HostSettings {
         vmm_memory_overhead_mib: config.vmm_memory_overhead_mib,
         scratch_in_ram: facts.runtime_in_ram,
         default_pids_max: config.default_pids_max,
+        secrets: SecretValues::new(),
+        egress_log: None,
     }
 }
 
@@ -117,11 +258,13 @@ pub fn plan(
     facts: HostFacts,
     id: &str,
 ) -> Result<(SandboxSpec, Recipe), ManagerError> {
-    let spec = spec_of(request);
+    let mut spec = spec_of(request);
+    (spec.network, spec.extra_hosts) = network_of(request)?;
     admit(config, &spec, request.ttl_s)?;
     // The VMs' runtime directories are `<runtime root>/<id>/sb-*`.
     let mut host = host_settings(config, facts);
     host.runtime_dir = host.runtime_dir.join(id);
+    host.secrets = secret_values(config, &spec)?;
     let recipe = spec::build(&spec, &host, id).map_err(spec_error)?;
     check_memory_available(&spec, &recipe, facts, config)?;
     Ok((spec, recipe))
@@ -190,6 +333,7 @@ fn spec_error(err: SpecError) -> ManagerError {
         SpecError::Storage(e) => ManagerError::Internal(format!("image: {e}")),
         SpecError::File(e) => ManagerError::Internal(e.to_string()),
         SpecError::Store(e) => ManagerError::Internal(e),
+        e @ SpecError::Network(_) => ManagerError::Invalid(e.to_string()),
     }
 }
 

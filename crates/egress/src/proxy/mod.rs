@@ -192,7 +192,12 @@ impl EgressProxy {
         let ca_pem = authority.ca_pem().to_owned();
         let roots = match config.upstream_roots {
             Some(roots) => roots,
-            None => native_roots()?,
+            // A host without trust roots can still splice and forward plain HTTP; only
+            // intercepted hosts need them, and fail (502, logged) without.
+            None => native_roots().unwrap_or_else(|e| {
+                tracing::warn!("{e}: intercepted hosts will fail to verify (502)");
+                rustls::RootCertStore::empty()
+            }),
         };
         let injector = Injector::new(&config.policy)?;
         let placeholders = injector.placeholders();

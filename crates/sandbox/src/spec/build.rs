@@ -6,6 +6,7 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use bulkhead_egress::policy::SecretValues;
 use bulkhead_image::{ImageStore, StoreError};
 use bulkhead_protocol::ExecRequest;
 use bulkhead_vmm::config::SerialOutput;
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{invalid, min_pids, FileRef, ResourceLimits, SandboxSpec, SpecError};
 use crate::cgroup::VmLimits;
+use crate::egress::EgressSettings;
 use crate::mounts::{self, Mount};
 use crate::sandbox::SandboxConfig;
 use crate::storage::{self, Storage};
@@ -82,6 +84,12 @@ pub struct HostSettings {
     pub scratch_in_ram: bool,
     /// `pids_max` when a spec names none (raised to what the vCPUs need).
     pub default_pids_max: u32,
+    /// The values of the secrets a network policy may name (`bulkhead run`: from its
+    /// environment or `--secret-file`; the daemon: its `[secrets]`). They stay on the host: the
+    /// guest sees only placeholders.
+    pub secrets: SecretValues,
+    /// Where a sandbox's egress log goes; `egress.jsonl` in its runtime directory when `None`.
+    pub egress_log: Option<PathBuf>,
 }
 
 impl HostSettings {
@@ -105,6 +113,8 @@ impl HostSettings {
             vmm_memory_overhead_mib: super::DEFAULT_VMM_MEMORY_OVERHEAD_MIB,
             scratch_in_ram: false,
             default_pids_max: super::DEFAULT_PIDS_MAX,
+            secrets: SecretValues::new(),
+            egress_log: None,
         }
     }
 }
@@ -129,6 +139,10 @@ pub struct Recipe {
 /// What every command in a sandbox starts with, unless the command says otherwise.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExecDefaults {
+    /// The network's variables (proxy, CA bundle, secret placeholders), once the sandbox runs
+    /// ([`ExecDefaults::with_network`]); between the base and the sandbox's environment.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub network: BTreeMap<String, String>,
     /// The sandbox's environment (over the base `PATH`, `TERM` and, for root, `HOME`).
     pub env: BTreeMap<String, String>,
     /// Working directory.
@@ -147,14 +161,23 @@ impl ExecDefaults {
             (None, None) => None,
         };
         ExecDefaults {
+            network: BTreeMap::new(),
             env: spec.env.clone(),
             cwd,
             user: spec.user.clone(),
         }
     }
 
+    /// These defaults with the running sandbox's network variables
+    /// ([`crate::Sandbox::egress_env`]).
+    pub fn with_network(mut self, env: Vec<(String, String)>) -> ExecDefaults {
+        self.network = env.into_iter().collect();
+        self
+    }
+
     /// The agent's request for `argv`: environment `PATH`, `TERM=dumb` and, when it runs as
-    /// root, `HOME=/root`, then the sandbox's environment, then `env`; `cwd` and `user` when
+    /// root, `HOME=/root`, then the network's variables, then the sandbox's environment, then
+    /// `env`; `cwd` and `user` when
     /// given, else the defaults. No stdin, no timeout, `docker exec` semantics for the end
     /// (`kill_group_on_exit: false`): callers change those fields.
     pub fn request(
@@ -172,6 +195,7 @@ impl ExecDefaults {
         if user.is_none() {
             all.insert("HOME".to_owned(), ROOT_HOME.to_owned());
         }
+        all.extend(self.network.clone());
         all.extend(self.env.clone());
         all.extend(env.clone());
         let mut request = ExecRequest::new(argv);
@@ -205,6 +229,7 @@ pub fn build(spec: &SandboxSpec, host: &HostSettings, id: &str) -> Result<Recipe
     let mut config = config_of(spec, host, kernel, Some(hostname));
     config.mounts = mounts;
     config.workspace = workspace;
+    config.egress = egress_of(spec, host)?;
     config
         .check_files()
         .map_err(|e| SpecError::File(Box::new(e)))?;
@@ -242,7 +267,22 @@ pub(crate) fn config_of(
         mounts: spec.mounts.clone(),
         workspace: spec.workspace.clone(),
         jail: host.jail,
+        egress: None,
     }
+}
+
+/// The egress proxy's settings for `spec`'s network: its policy compiled with the host's secret
+/// values (unknown secrets, malformed rules and presets are errors here, before anything
+/// starts); `None` without a network.
+fn egress_of(spec: &SandboxSpec, host: &HostSettings) -> Result<Option<EgressSettings>, SpecError> {
+    let Some(network) = spec.network.as_ref().filter(|_| spec.has_network()) else {
+        return Ok(None);
+    };
+    Ok(Some(EgressSettings {
+        policy: network.compile(&host.secrets)?,
+        hosts: spec.extra_hosts.clone(),
+        log: host.egress_log.clone(),
+    }))
 }
 
 /// The VMM's cgroup limits: guest RAM plus the VMM's allowance (plus a scratch disk that lives

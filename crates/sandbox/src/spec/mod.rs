@@ -20,8 +20,10 @@ pub(crate) mod build;
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::net::IpAddr;
 use std::path::PathBuf;
 
+use bulkhead_egress::policy::{NetworkMode, NetworkSpec, PolicyError};
 use bulkhead_protocol::boot::{check_hostname, is_bulkhead_param};
 use bulkhead_vmm::config::{DiskConfig, MAX_VCPUS};
 use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
@@ -113,6 +115,16 @@ pub struct SandboxSpec {
     /// parameters own).
     #[serde(default)]
     pub kernel_args: Vec<String>,
+    /// The sandbox's network (`docs/network.md`): none when `None` or mode `none` (no proxy,
+    /// no way out); else every connection leaves through the host's egress proxy under this
+    /// policy.
+    #[serde(default)]
+    pub network: Option<NetworkSpec>,
+    /// Names the egress proxy resolves to these addresses instead of asking the host's
+    /// resolver (like `docker run --add-host`); the addresses are still vetted. Needs a
+    /// network.
+    #[serde(default)]
+    pub extra_hosts: BTreeMap<String, Vec<IpAddr>>,
 }
 
 fn default_vcpus() -> u8 {
@@ -141,6 +153,8 @@ impl Default for SandboxSpec {
             hostname: None,
             labels: BTreeMap::new(),
             kernel_args: Vec::new(),
+            network: None,
+            extra_hosts: BTreeMap::new(),
         }
     }
 }
@@ -236,6 +250,10 @@ pub enum SpecError {
     /// The host's image store is damaged or unreadable (not the request's fault).
     #[error("image store: {0}")]
     Store(String),
+    /// The network policy is invalid: a malformed rule, an unknown preset, a secret without a
+    /// value on this host.
+    #[error("network: {0}")]
+    Network(#[from] PolicyError),
 }
 
 fn known_names(known: &[String]) -> String {
@@ -289,7 +307,30 @@ impl SandboxSpec {
         if let Some(FileRef::Name(name)) = &self.kernel {
             check_kernel_name(name)?;
         }
+        if !self.extra_hosts.is_empty() && !self.has_network() {
+            return Err(invalid(
+                "extra_hosts",
+                "pinned names are for the egress proxy: they need a network",
+            ));
+        }
+        if let Some((name, _)) = self
+            .extra_hosts
+            .iter()
+            .find(|(n, a)| n.is_empty() || a.is_empty())
+        {
+            return Err(invalid(
+                "extra_hosts",
+                format!("{name:?} needs a non-empty name and at least one address"),
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether the sandbox has a network (a policy whose mode is not `none`).
+    pub fn has_network(&self) -> bool {
+        self.network
+            .as_ref()
+            .is_some_and(|n| n.mode != NetworkMode::None)
     }
 
     fn check_disks(&self) -> Result<(), SpecError> {
