@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets bulkhead up on a Debian/Ubuntu machine and runs the main job.
 #
-#   scripts/setup.sh            install, build, then `bulkhead run -- uname -a`
-#   scripts/setup.sh --no-run   install and build only (what the test command uses)
+#   scripts/setup.sh              install, build, then `bulkhead run -- uname -a`
+#   scripts/setup.sh --no-run     install and build only
+#   scripts/setup.sh --deps-only  install the packages and Rust targets and build the guest kernel
+#                                 only (what the test command uses: it builds the rest itself)
 #
 # Installs the Debian packages it needs (with sudo when not root), the Rust musl target, builds the
 # guest kernel (cached under ~/.cache/bulkhead, keyed by its inputs), the binaries, and the default
@@ -17,7 +19,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 RUN_MAIN_JOB=1
-[[ "${1:-}" == "--no-run" ]] && RUN_MAIN_JOB=0
+DEPS_ONLY=0
+case "${1:-}" in
+    "") ;;
+    --no-run) RUN_MAIN_JOB=0 ;;
+    --deps-only) DEPS_ONLY=1 ;;
+    *) echo "usage: scripts/setup.sh [--no-run | --deps-only]" >&2; exit 2 ;;
+esac
 
 log() { printf '==> %s\n' "$*" >&2; }
 ARCH="$(uname -m)"
@@ -32,7 +40,7 @@ SUDO=()
 # Debian packages: QEMU + busybox + cpio for the test host and images, mmdebstrap for the Debian
 # root file-system image, a C toolchain for -sys
 # crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps).
-PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap)
+PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap git)
 # The nested test host (QEMU emulating an x86_64 machine with AMD SVM) is for x86_64 hosts.
 [[ "$ARCH" != x86_64 ]] || PKGS+=(qemu-system-x86)
 # The aarch64 cross toolchain (linker for the aarch64 Rust targets, see .cargo/config.toml; C
@@ -56,6 +64,7 @@ rustup target add aarch64-unknown-linux-musl >/dev/null 2>&1 || rustup target ad
 
 log "guest kernel (cached after the first build)"
 scripts/build-kernel.sh --arch "$ARCH" >/dev/null
+((DEPS_ONLY)) && exit 0
 
 log "building bulkhead (release)"
 cargo build --release --quiet --bins

@@ -4,32 +4,113 @@
 # checklist in an emulated arm64 host (GUEST=run scripts/arm64-smoke.sh), and 60 s of
 # fuzzing per fuzz target (needs the nightly toolchain, installed when missing).
 # Exits non-zero when anything fails.
+#
+# At the end (also after a failure) it prints how long each stage took, and what the guest
+# tests' boots came to: guests booted, guests that crashed or showed a kernel panic, test retries
+# by cause, and the tests that passed only on their retry (docs/testhost.md, "Known problems").
+#
+# Tests that need root are named `..._needs_root`: as root (CI) they run; otherwise they are
+# skipped with `--skip needs_root` and listed. `#[ignore]`d tests are listed with their reasons.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 log() { printf '==> %s\n' "$*" >&2; }
 
-scripts/setup.sh --no-run
-log "cargo fmt --check"
-cargo fmt --all --check
-log "cargo clippy"
-cargo clippy --workspace --all-targets --quiet -- -D warnings
-log "cargo clippy for aarch64 (every crate, tests included)"
-cargo clippy --workspace --target aarch64-unknown-linux-gnu --all-targets --quiet -- -D warnings
-log "guest test binaries (static, musl)"
-cargo build --release --quiet --target x86_64-unknown-linux-musl -p bulkhead-agent -p bulkhead-test-init
-log "host binaries the guest tests drive (bulkhead-vmm, bulkhead, bulkheadd)"
-cargo build --workspace --bins --quiet
-log "cargo test (unit, doc and integration tests)"
-cargo test --workspace --no-fail-fast
-log "fuzz harnesses: fmt, clippy, corpus replay (fuzz/ is its own workspace)"
-cargo fmt --manifest-path fuzz/Cargo.toml --check
-cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --quiet -- -D warnings
-cargo test --manifest-path fuzz/Cargo.toml --quiet
-log "aarch64: boot, bad-kernel, bulkhead run, disk and virtio-fs checks in an emulated arm64 host (scripts/arm64-smoke.sh)"
-GUEST=run scripts/arm64-smoke.sh
-log "fuzzing: every target for 60 s (docs/fuzzing.md)"
-cargo +nightly --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
-scripts/fuzz.sh --seconds 60
+TIMES="$(mktemp)"
+TEST_LOG="$(mktemp)"
+trap 'summary; rm -f "$TIMES" "$TEST_LOG"' EXIT
+START=$SECONDS
+
+# stage NAME COMMAND...: runs COMMAND, logging NAME first and its wall time in the summary.
+stage() {
+    local name=$1 began=$SECONDS status=0
+    shift
+    log "$name"
+    "$@" || status=$?
+    printf '%s\t%s\t%s\n' "$((SECONDS - began))" "$status" "$name" >>"$TIMES"
+    return "$status"
+}
+
+# The summary: the stage table and the guest-boot counters of the test log.
+summary() {
+    echo
+    echo "==> stages (wall seconds)"
+    awk -F'\t' '{ printf "%6d s  %-6s %s\n", $1, ($2 == 0 ? "ok" : "FAILED"), $3 }' "$TIMES"
+    printf '%6d s  total\n' "$((SECONDS - START))"
+    [[ -s "$TEST_LOG" ]] || return 0
+    echo "==> test binaries that took 5 s or more (cargo test; the guest tests boot real guests)"
+    awk '
+        /^ *Running / { cur = $2; if (!(cur in secs)) order[++n] = cur; secs[cur] += 0 }
+        /^test result: / && cur != "" && match($0, /finished in [0-9.]+s/) {
+            s = substr($0, RSTART + 12, RLENGTH - 13) + 0
+            if (s > secs[cur]) secs[cur] = s
+        }
+        END { for (i = 1; i <= n; i++) if (secs[order[i]] >= 5) printf "%6d s  %s\n", secs[order[i]], order[i] }
+    ' "$TEST_LOG"
+    echo "==> guest boots (cargo test)"
+    awk '
+        /^guest boots: / {
+            boots += $3
+            if (match($0, /\([0-9]+ crashed\)/)) crashed += substr($0, RSTART + 1, RLENGTH - 10) + 0
+        }
+        /^RETRY: a nested guest crashed/ { crash_retry++; name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1 }
+        /^RETRY: the test host failed/ { if ($0 ~ /timed out/) hang_retry++; else host_retry++ }
+        /^test .* \.\.\. ok$/ { passed[$2] = 1 }
+        END {
+            printf "  guests booted: %d; guests that crashed or showed a kernel panic: %d\n", boots, crashed
+            printf "  retries: %d after a guest crash, %d after a hung test, %d after a dead test host\n", crash_retry, hang_retry, host_retry
+            n = 0
+            for (t in retried) if (t in passed) { printf "  passed only on retry: %s\n", t; n++ }
+            if (n == 0) print "  passed only on retry: none"
+        }' "$TEST_LOG"
+}
+
+# --skip needs_root when not root, with the list of what that skips.
+SKIP_ROOT=()
+if [[ "$(id -u)" -ne 0 ]]; then
+    SKIP_ROOT=(--skip needs_root)
+fi
+
+stage "set-up: packages, Rust targets, guest kernel (scripts/setup.sh --deps-only)" \
+    scripts/setup.sh --deps-only
+stage "cargo fmt --check" cargo fmt --all --check
+stage "cargo clippy" cargo clippy --workspace --all-targets --quiet -- -D warnings
+stage "cargo clippy for aarch64 (every crate, tests included)" \
+    cargo clippy --workspace --target aarch64-unknown-linux-gnu --all-targets --quiet -- -D warnings
+stage "guest test binaries (static, musl)" \
+    cargo build --release --quiet --target x86_64-unknown-linux-musl -p bulkhead-agent -p bulkhead-test-init
+stage "host binaries the guest tests drive (bulkhead-vmm, bulkhead, bulkheadd)" \
+    cargo build --workspace --bins --quiet
+# Every #[ignore]d test with its reason and, when not root, every *_needs_root test.
+list_skipped() {
+    find crates tests -name '*.rs' -print0 | xargs -0 awk '
+        /#\[ignore/ { reason = $0; sub(/.*#\[ignore( = )?/, "", reason); sub(/\]$/, "", reason); pending = 1; next }
+        pending && match($0, /fn [a-z0-9_]+/) {
+            printf "    ignored: %s: %s\n", substr($0, RSTART + 3, RLENGTH - 3), reason
+            pending = 0
+        }'
+    if ((${#SKIP_ROOT[@]})); then
+        grep -rho --include='*.rs' 'fn [a-z0-9_]*_needs_root' crates tests | sed 's/^fn /    not root: /'
+    fi
+}
+stage "tests skipped here" list_skipped
+run_tests() {
+    cargo test --workspace --no-fail-fast -- "${SKIP_ROOT[@]}" 2>&1 | tee "$TEST_LOG"
+    return "${PIPESTATUS[0]}"
+}
+stage "cargo test (unit, doc and integration tests)" run_tests
+fuzz_checks() {
+    cargo fmt --manifest-path fuzz/Cargo.toml --check &&
+        cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --quiet -- -D warnings &&
+        cargo test --manifest-path fuzz/Cargo.toml --quiet
+}
+stage "fuzz harnesses: fmt, clippy, corpus replay (fuzz/ is its own workspace)" fuzz_checks
+stage "aarch64: boot, bad-kernel, bulkhead run, disk, virtio-fs and egress checks in an emulated arm64 host (scripts/arm64-smoke.sh)" \
+    env GUEST=run scripts/arm64-smoke.sh
+fuzzing() {
+    cargo +nightly --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
+    scripts/fuzz.sh --seconds "${FUZZ_SECONDS:-60}"
+}
+stage "fuzzing: every target for ${FUZZ_SECONDS:-60} s (docs/fuzzing.md)" fuzzing
 log "all tests passed"

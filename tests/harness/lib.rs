@@ -117,8 +117,10 @@ const CRASH_MARKER: &str = "bulkhead-harness: the guest crashed:";
 const BOOTS_MARKER: &str = "bulkhead-harness: guest boots:";
 
 /// Prints, straight to the process's stderr (libtest does not capture it, so it shows in CI
-/// logs), how many guests the delegated run booted and how many the current test host has booted
-/// in all: the evidence that one test-host boot serves many guest boots.
+/// logs), how many guests the delegated run booted (and how many of them crashed or showed a
+/// kernel panic, from the boot log's lines) and how many the current test host has booted in all:
+/// the evidence that one test-host boot serves many guest boots, and the counts
+/// `scripts/test.sh` sums up.
 fn report_guest_boots(args: &[&str], stdout: &str) {
     use std::io::Write;
     let Some(counts) = stdout
@@ -131,8 +133,16 @@ fn report_guest_boots(args: &[&str], stdout: &str) {
     let mut counts = counts.split_whitespace();
     let (this_run, total) = (counts.next().unwrap_or("?"), counts.next().unwrap_or("?"));
     let name = args.get(1).copied().unwrap_or("?");
+    let crashed = stdout
+        .lines()
+        .filter(|l| l.starts_with(CRASH_MARKER))
+        .count();
+    let crashes = match crashed {
+        0 => String::new(),
+        n => format!(" ({n} crashed)"),
+    };
     let line = format!(
-        "guest boots: {this_run} in {name}; {total} so far in test host #{}\n",
+        "guest boots: {this_run} in {name}{crashes}; {total} so far in test host #{}\n",
         TEST_HOSTS_STARTED.load(std::sync::atomic::Ordering::Relaxed)
     );
     let _ = std::io::stderr().write_all(line.as_bytes());

@@ -2,8 +2,8 @@
 //! (checked against `mount_roots`), `GET .../workspace/diff` and `.../workspace/export`. The fake
 //! VMM has no overlay: for a clone workspace its agent reports the changes of
 //! `workspace-upper/` in the sandbox's runtime directory, which these tests fill the way
-//! overlayfs would (whiteouts need root: without it the tests that use them print why and
-//! pass). `tests/guest/fs.rs` runs the same flow in a real guest.
+//! overlayfs would (whiteouts need root: the tests that make them are named `..._needs_root`
+//! and `scripts/test.sh` skips them when not root). `tests/guest/fs.rs` runs the same flow in a real guest.
 
 mod common;
 
@@ -93,11 +93,16 @@ fn chown_tree(dir: &Path, uid: u32) {
     assert!(status.success());
 }
 
-/// A whiteout (character device 0/0) at `path`; false without the privilege to make one.
-fn whiteout(path: &Path) -> bool {
+/// A whiteout (character device 0/0) at `path`; making one needs root.
+fn whiteout(path: &Path) {
     let c = CString::new(path.as_os_str().as_bytes()).unwrap();
     // SAFETY: `c` is NUL-terminated and outlives the call.
-    unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, 0) == 0 }
+    let made = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o600, 0) == 0 };
+    assert!(
+        made,
+        "mknod of a whiteout failed: {} (tests named _needs_root need root)",
+        std::io::Error::last_os_error()
+    );
 }
 
 /// Path → (contents or link target, executable bit) of every file and link below `root`.
@@ -134,7 +139,7 @@ fn copy_tree(from: &Path, to: &Path) {
 }
 
 /// The guest's edits, in the upper directory: edit, add (a hook and a script), delete.
-fn guest_edits(upper: &Path) -> bool {
+fn guest_edits(upper: &Path) {
     write(
         &upper.join("README.md"),
         "# demo\n\nedited in the sandbox\n",
@@ -153,19 +158,16 @@ fn guest_edits(upper: &Path) -> bool {
         &upper.join("package.json"),
         "{\"name\":\"demo\",\"scripts\":{\"test\":\"jest\",\"postinstall\":\"node x.js\"}}\n",
     );
-    whiteout(&upper.join("old.txt"))
+    whiteout(&upper.join("old.txt"));
 }
 
 #[test]
-fn a_clone_workspace_diff_lists_and_flags_the_changes_and_the_patch_applies() {
+fn a_clone_workspace_diff_lists_and_flags_the_changes_and_the_patch_applies_needs_root() {
     // Arrange
     let setup = Setup::new();
     let before = tree(&setup.project());
     let id = setup.create(WorkspaceMode::Clone);
-    if !guest_edits(&setup.upper(&id)) {
-        eprintln!("skipped: creating whiteouts (mknod c 0 0) needs root");
-        return;
-    }
+    guest_edits(&setup.upper(&id));
     let client = setup.daemon.client();
 
     // Act
@@ -235,14 +237,11 @@ fn a_clone_workspace_diff_lists_and_flags_the_changes_and_the_patch_applies() {
 }
 
 #[test]
-fn the_tar_export_holds_the_changed_files_and_the_deletions() {
+fn the_tar_export_holds_the_changed_files_and_the_deletions_needs_root() {
     // Arrange
     let setup = Setup::new();
     let id = setup.create(WorkspaceMode::Clone);
-    if !guest_edits(&setup.upper(&id)) {
-        eprintln!("skipped: creating whiteouts (mknod c 0 0) needs root");
-        return;
-    }
+    guest_edits(&setup.upper(&id));
     let out = setup.root.path().join("out");
     fs::create_dir(&out).unwrap();
 

@@ -390,11 +390,9 @@ mod tests {
     }
 
     #[test]
-    fn a_host_port_listener_is_handed_to_the_owner_of_vmm_dir() {
-        // Arrange: as root only (chown); elsewhere there is nothing to hand over.
-        if !active(true) {
-            return;
-        }
+    fn a_host_port_listener_is_handed_to_the_owner_of_vmm_dir_needs_root() {
+        // Arrange: chown needs root.
+        crate::testing::require_root();
         let dir = tempfile::tempdir().unwrap();
         fs::create_dir(dir.path().join(VMM_DIR)).unwrap();
         std::os::unix::fs::chown(dir.path().join(VMM_DIR), Some(ID_BASE), Some(ID_BASE + 1))
@@ -411,11 +409,9 @@ mod tests {
     }
 
     #[test]
-    fn prepare_chowns_only_what_the_vmm_needs_and_locks_the_directory() {
-        // Arrange: as root only (chown); elsewhere there is nothing to check.
-        if !active(true) {
-            return;
-        }
+    fn prepare_chowns_only_what_the_vmm_needs_and_locks_the_directory_needs_root() {
+        // Arrange: chown needs root.
+        crate::testing::require_root();
         let dir = tempfile::tempdir().unwrap();
         let listener = dir.path().join("vm.sock_1025");
         fs::write(&listener, b"").unwrap();

@@ -427,13 +427,9 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn root_cannot_share_a_root_owned_directory_read_write() {
+    fn root_cannot_share_a_root_owned_directory_read_write_needs_root() {
         // Arrange
-        // SAFETY: geteuid only reads credentials.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: needs root");
-            return;
-        }
+        crate::testing::require_root();
         let dir = tempfile::tempdir().unwrap();
 
         // Act

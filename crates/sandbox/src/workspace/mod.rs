@@ -457,13 +457,9 @@ mod tests {
     }
 
     #[test]
-    fn root_is_told_to_use_a_clone_for_a_root_owned_directory() {
+    fn root_is_told_to_use_a_clone_for_a_root_owned_directory_needs_root() {
         // Arrange
-        // SAFETY: geteuid only reads credentials.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: needs root");
-            return;
-        }
+        crate::testing::require_root();
         let dir = tempfile::tempdir().unwrap();
         let ws = |mode| Workspace {
             host: dir.path().to_owned(),

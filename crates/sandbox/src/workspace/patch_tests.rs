@@ -105,17 +105,9 @@ fn read_tree(root: &Path) -> Tree {
     out
 }
 
-fn have_git() -> bool {
-    Command::new("git").arg("--version").output().is_ok()
-}
-
 /// Applies the patch from `old` to `new` with `git apply` on a materialized `old` and returns
-/// the resulting tree, or `None` without git.
-fn apply(old: &Tree, new: &Tree) -> Option<(Tree, String)> {
-    if !have_git() {
-        eprintln!("skipped: git is not installed");
-        return None;
-    }
+/// the resulting tree and the patch text. Needs git (`scripts/setup.sh` installs it).
+fn apply(old: &Tree, new: &Tree) -> (Tree, String) {
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().join("work");
     fs::create_dir(&work).unwrap();
@@ -129,21 +121,22 @@ fn apply(old: &Tree, new: &Tree) -> Option<(Tree, String)> {
         .current_dir(&work)
         .env("GIT_CEILING_DIRECTORIES", dir.path())
         .output()
-        .unwrap();
+        .expect("these tests need git (scripts/setup.sh installs it)");
     let text = String::from_utf8_lossy(&patch_bytes).into_owned();
     assert!(
         out.status.success(),
         "git apply failed: {}\n--- patch\n{text}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Some((read_tree(&work), text))
+    (read_tree(&work), text)
 }
 
-fn check(old: &[(&str, Node)], new: &[(&str, Node)]) -> Option<String> {
+/// The patch text from `old` to `new`, after checking that `git apply` turns `old` into `new`.
+fn check(old: &[(&str, Node)], new: &[(&str, Node)]) -> String {
     let (old, new) = (tree(old), tree(new));
-    let (result, text) = apply(&old, &new)?;
+    let (result, text) = apply(&old, &new);
     assert_eq!(result, new, "--- patch\n{text}");
-    Some(text)
+    text
 }
 
 #[test]
@@ -166,9 +159,7 @@ fn text_edits_additions_and_deletions_apply_with_context() {
     ];
 
     // Act / Assert
-    let Some(text) = check(&old, &new) else {
-        return;
-    };
+    let text = check(&old, &new);
     assert!(text.contains("@@ -2,7 +2,7 @@"), "{text}");
     assert!(text.contains("deleted file mode 100644"), "{text}");
     assert!(!text.contains("same.txt"), "{text}");
@@ -190,9 +181,7 @@ fn missing_final_newlines_and_crlf_survive() {
     ];
 
     // Act / Assert
-    let Some(text) = check(&old, &new) else {
-        return;
-    };
+    let text = check(&old, &new);
     assert!(text.contains("\\ No newline at end of file"), "{text}");
 }
 
@@ -209,9 +198,7 @@ fn binary_files_use_literal_patches_with_full_ids() {
     let new = [("img.bin", file(&changed)), ("new.bin", file(b"\0\xff\0"))];
 
     // Act / Assert
-    let Some(text) = check(&old, &new) else {
-        return;
-    };
+    let text = check(&old, &new);
     assert!(text.contains("GIT binary patch\nliteral"), "{text}");
     assert!(
         text.contains(&format!("index {}..", blob_id(&big))),
@@ -242,9 +229,7 @@ fn empty_files_modes_and_symbolic_links_apply() {
     ];
 
     // Act / Assert
-    let Some(text) = check(&old, &new) else {
-        return;
-    };
+    let text = check(&old, &new);
     assert!(text.contains("old mode 100644\nnew mode 100755"), "{text}");
     assert!(text.contains("new file mode 120000"), "{text}");
 }
@@ -264,9 +249,7 @@ fn odd_names_are_quoted_and_still_apply() {
     ];
 
     // Act / Assert
-    let Some(text) = check(&old, &new) else {
-        return;
-    };
+    let text = check(&old, &new);
     assert!(text.contains("\"a/caf\\303\\251.txt\""), "{text}");
     assert!(text.contains("--- a/with space.txt\t\n"), "{text}");
 }

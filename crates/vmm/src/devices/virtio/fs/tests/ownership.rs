@@ -1,7 +1,8 @@
 //! Files the guest's root creates on a writable share belong to the share's owner, never to host
 //! root, and the guest can do on the host only what the owner could.
 //!
-//! Tests that serve a share as another user need root; without it they report so and return.
+//! Tests that serve a share as another user need root: they are named `..._needs_root`, fail
+//! without it, and `scripts/test.sh` skips them when not run as root.
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -13,11 +14,9 @@ use super::{cstr, errno_of, guest_root, populate, running_as_root, Share, NOBODY
 use crate::devices::virtio::fs::identity::Identity;
 use crate::devices::virtio::fs::{Error, ShareFs};
 
-fn skipped_without_root() -> bool {
-    if !running_as_root() {
-        eprintln!("skipped: serving a share as another user needs root");
-    }
-    !running_as_root()
+/// Fails the calling test unless it runs as root (serving a share as another user needs it).
+fn require_root() {
+    assert!(running_as_root(), "this test needs root (its name ends in _needs_root; scripts/test.sh skips those when not root)");
 }
 
 fn owner_of(path: &Path) -> (u32, u32) {
@@ -26,10 +25,8 @@ fn owner_of(path: &Path) -> (u32, u32) {
 }
 
 #[test]
-fn files_created_by_guest_root_belong_to_the_share_owner() {
-    if skipped_without_root() {
-        return;
-    }
+fn files_created_by_guest_root_belong_to_the_share_owner_needs_root() {
+    require_root();
     let share = Share::new(false);
     let ctx = guest_root();
 
@@ -56,10 +53,8 @@ fn files_created_by_guest_root_belong_to_the_share_owner() {
 }
 
 #[test]
-fn the_default_owner_is_the_owner_of_the_shared_directory() {
-    if skipped_without_root() {
-        return;
-    }
+fn the_default_owner_is_the_owner_of_the_shared_directory_needs_root() {
+    require_root();
     let share = Share::with(
         |root| std::os::unix::fs::chown(root, Some(4242), Some(4243)).unwrap(),
         false,
@@ -73,10 +68,8 @@ fn the_default_owner_is_the_owner_of_the_shared_directory() {
 }
 
 #[test]
-fn guest_root_cannot_give_a_file_to_host_root() {
-    if skipped_without_root() {
-        return;
-    }
+fn guest_root_cannot_give_a_file_to_host_root_needs_root() {
+    require_root();
     let share = Share::new(false);
     let file = share.node("file");
     // SAFETY: stat64 is plain data; all-zero (uid 0, gid 0) is a valid value.
@@ -95,10 +88,8 @@ fn guest_root_cannot_give_a_file_to_host_root() {
 }
 
 #[test]
-fn guest_root_cannot_write_a_host_root_file_inside_the_share() {
-    if skipped_without_root() {
-        return;
-    }
+fn guest_root_cannot_write_a_host_root_file_inside_the_share_needs_root() {
+    require_root();
     let share = Share::with(
         |root| {
             populate(root);
@@ -117,10 +108,8 @@ fn guest_root_cannot_write_a_host_root_file_inside_the_share() {
 }
 
 #[test]
-fn the_serving_thread_is_root_again_after_each_operation() {
-    if skipped_without_root() {
-        return;
-    }
+fn the_serving_thread_is_root_again_after_each_operation_needs_root() {
+    require_root();
     let share = Share::new(false);
     let groups_before = nix_groups();
 
@@ -177,10 +166,8 @@ fn new_files_get_the_mode_the_guest_asked_for_whatever_the_vmm_umask() {
 }
 
 #[test]
-fn a_writable_share_owned_by_root_is_refused() {
-    if skipped_without_root() {
-        return;
-    }
+fn a_writable_share_owned_by_root_is_refused_needs_root() {
+    require_root();
     let dir = tempfile::tempdir().unwrap();
 
     let default_owner = ShareFs::open(dir.path(), false, None);
@@ -198,10 +185,8 @@ fn a_writable_share_owned_by_root_is_refused() {
 }
 
 #[test]
-fn an_owner_who_cannot_read_the_directory_is_refused() {
-    if skipped_without_root() {
-        return;
-    }
+fn an_owner_who_cannot_read_the_directory_is_refused_needs_root() {
+    require_root();
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
 
