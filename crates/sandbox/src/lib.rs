@@ -41,17 +41,6 @@ pub mod storage;
 mod vmm_process;
 pub mod workspace;
 
-/// Helpers shared by this crate's unit tests.
-#[cfg(test)]
-mod testing {
-    /// Fails the calling test unless it runs as root (chown, root-owned directories).
-    pub fn require_root() {
-        // SAFETY: geteuid only reads the calling thread's credentials.
-        let root = unsafe { libc::geteuid() } == 0;
-        assert!(root, "this test needs root (its name ends in _needs_root; scripts/test.sh skips those when not root)");
-    }
-}
-
 pub use jail::JailError;
 pub use mounts::{Mount, MountError};
 pub use phases::{PhaseClock, Phases, Timings, PHASE_NAMES};
@@ -64,3 +53,14 @@ pub use vmm_process::{start_time_of, VmEnd, VmmExit};
 pub use workspace::{
     ExportFormat, Workspace, WorkspaceDiff, WorkspaceError, WorkspaceInfo, WorkspaceMode,
 };
+
+/// Helpers shared by this crate's unit tests.
+#[cfg(test)]
+mod testing {
+    /// Fails the calling test unless it runs as root (chown, root-owned directories).
+    pub fn require_root() {
+        // SAFETY: geteuid only reads the calling thread's credentials.
+        let root = unsafe { libc::geteuid() } == 0;
+        assert!(root, "this test needs root (its name ends in _needs_root; scripts/test.sh skips those when not root)");
+    }
+}
