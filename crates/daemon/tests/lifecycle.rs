@@ -27,12 +27,13 @@ fn twenty_concurrent_sandboxes_run_and_leave_nothing_behind() {
                         .exec_collect(&sb.id, &ExecSpec::new(["nproc"]))
                         .await
                         .unwrap();
-                    let meminfo = client
-                        .exec_collect(&sb.id, &ExecSpec::new(["cat", "/proc/meminfo"]))
+                    // Under the fake VMM a command is a child of its sandbox's VMM process.
+                    let parent = client
+                        .exec_collect(&sb.id, &ExecSpec::new(["sh", "-c", "echo $PPID"]))
                         .await
                         .unwrap();
                     client.delete(&sb.id).await.unwrap();
-                    (sb.vmm_pid.unwrap(), nproc, meminfo)
+                    (sb.vmm_pid.unwrap(), nproc, parent)
                 })
             })
             .collect();
@@ -45,9 +46,14 @@ fn twenty_concurrent_sandboxes_run_and_leave_nothing_behind() {
 
     // Assert
     assert_eq!(outputs.len(), 20);
-    for (_, nproc, meminfo) in &outputs {
+    for (vmm_pid, nproc, parent) in &outputs {
         assert!(nproc.exit.success() && !nproc.stdout.is_empty());
-        assert!(String::from_utf8_lossy(&meminfo.stdout).contains("MemTotal:"));
+        let parent = String::from_utf8_lossy(&parent.stdout);
+        assert_eq!(
+            parent.trim(),
+            vmm_pid.to_string(),
+            "the exec ran in another sandbox"
+        );
     }
     let pids: Vec<u32> = outputs.iter().map(|(pid, _, _)| *pid).collect();
     assert_eq!(daemon.leftovers(&pids), Vec::<String>::new());
