@@ -533,14 +533,14 @@ vm_test!(
 );
 
 vm_test!(
-    fn a_sandbox_with_a_network_reaches_only_what_it_allows_and_its_egress_log_says_so() {
+    fn a_sandbox_with_a_network_reaches_only_what_it_allows_also_after_a_daemon_restart() {
         // Arrange: a plain-HTTP test server on the test host's loopback, allowed by CIDR and
         // port; the guest's busybox wget honours http_proxy.
         let server_rt = multi_rt();
         let ca = bulkhead_egress::testing::TestCa::new();
         let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
         let port = server.http_port;
-        let daemon = real_daemon("", &[]);
+        let mut daemon = real_daemon("", &[]);
         let client = daemon.client();
         let rt = rt();
         let request = bulkhead_client::CreateSandbox {
@@ -557,28 +557,37 @@ vm_test!(
             "wget -q -O - http://127.0.0.1:{port}/; echo; wget -q -O - http://127.0.0.1:1/ 2>&1"
         );
 
-        // Act
+        let fetch = ExecSpec::new(["sh", "-c", &script]);
+
+        // Act: before and after the daemon (and the proxy in it) is killed and restarted.
         let out = rt
-            .block_on(client.exec_collect(&sb.id, &ExecSpec::new(["sh", "-c", &script])))
+            .block_on(client.exec_collect(&sb.id, &fetch))
             .unwrap_or_else(|e| panic!("exec: {e}"));
+        daemon.kill9();
+        daemon.spawn(&[]);
+        let adopted = rt
+            .block_on(client.exec_collect(&sb.id, &fetch))
+            .unwrap_or_else(|e| panic!("exec after the restart: {e}"));
         let log = rt.block_on(client.egress_log(&sb.id)).unwrap();
         let info = rt.block_on(client.get(&sb.id)).unwrap();
         rt.block_on(client.delete(&sb.id)).unwrap();
 
         // Assert
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(stdout.contains("hello from the test server"), "{out:?}");
-        assert!(stdout.contains("403"), "port 1 was not refused: {out:?}");
-        assert!(
-            log.lines()
-                .any(|l| l.contains(&format!("\"port\":{port}")) && l.contains("\"allow\"")),
-            "{log}"
-        );
-        assert!(
-            log.lines()
-                .any(|l| l.contains("\"port\":1,") && l.contains("\"deny\"")),
-            "{log}"
-        );
+        for out in [&out, &adopted] {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(stdout.contains("hello from the test server"), "{out:?}");
+            assert!(stdout.contains("403"), "port 1 was not refused: {out:?}");
+        }
+        let allowed = log
+            .lines()
+            .filter(|l| l.contains(&format!("\"port\":{port}")) && l.contains("\"allow\""))
+            .count();
+        assert_eq!(allowed, 2, "one allowed request per daemon: {log}");
+        let denied = log
+            .lines()
+            .filter(|l| l.contains("\"port\":1,") && l.contains("\"deny\""))
+            .count();
+        assert_eq!(denied, 2, "one denied request per daemon: {log}");
         assert_eq!(
             info.network.and_then(|n| n.mode).as_deref(),
             Some("allowlist")

@@ -115,7 +115,8 @@ pub enum Error {
     /// Waiting for or stopping the VMM failed.
     #[error("cannot manage the VMM process: {0}")]
     Process(io::Error),
-    /// [`Sandbox::adopt`]: the VMM process or the sandbox's files are gone.
+    /// [`Sandbox::adopt`]: the VMM process or the sandbox's files are gone;
+    /// [`Sandbox::restart_network`] of a sandbox that is not adopted or has a proxy.
     #[error("cannot adopt the sandbox: {0}")]
     Adopt(io::Error),
     /// The root image, scratch disk or a data disk is unusable ([`Sandbox::start_with`]).
@@ -335,7 +336,8 @@ impl Sandbox {
     /// What every command of this sandbox needs for its network: the proxy variables
     /// (`HTTP_PROXY`, `HTTPS_PROXY`, their lower-case forms, `NO_PROXY`, `NODE_USE_ENV_PROXY`),
     /// the CA bundle variables, and each secret's placeholder. Empty without a network (and
-    /// for an adopted sandbox, whose proxy ended with its first owner).
+    /// for an adopted sandbox until [`Sandbox::restart_network`]: its proxy ended with its first
+    /// owner).
     pub fn egress_env(&self) -> Vec<(String, String)> {
         self.egress
             .as_ref()
@@ -347,6 +349,40 @@ impl Sandbox {
     /// network.
     pub fn egress_log(&self) -> Option<&Path> {
         self.egress_log.as_deref()
+    }
+
+    /// Gives an adopted sandbox its network again: starts a new egress proxy with `settings`
+    /// (from [`crate::spec::egress_settings`] of the sandbox's spec) on its egress socket,
+    /// replacing the dead proxy's socket file, and installs the new proxy's CA certificate in
+    /// the guest (the agent answers within `timeout`). The guest's relay connects per accepted
+    /// connection, so its next connection reaches the new proxy; commands started from now on
+    /// get the new proxy's variables and placeholders ([`Sandbox::egress_env`]).
+    ///
+    /// # Errors
+    /// [`Error::Egress`] when the proxy cannot start or the CA cannot be installed (the new
+    /// proxy is then stopped); [`Error::Adopt`] when the sandbox already has a proxy or no
+    /// runtime directory.
+    pub fn restart_network(
+        &mut self,
+        settings: &EgressSettings,
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let Some(dir) = self.dir.clone().filter(|_| self.egress.is_none()) else {
+            return Err(Error::Adopt(io::Error::other(
+                "only an adopted sandbox without a proxy can restart its network",
+            )));
+        };
+        let proxy = start_proxy(settings, &dir, &self.uds_path, jail::active(true))?;
+        let client = AgentClient::hybrid(&self.uds_path).with_timeout(timeout);
+        install_egress_ca(&client, Some(&proxy))?;
+        self.egress_log = Some(
+            settings
+                .log
+                .clone()
+                .unwrap_or_else(|| dir.join(egress::EGRESS_LOG)),
+        );
+        self.egress = Some(proxy);
+        Ok(())
     }
 
     /// A client for the guest agent (a new vsock connection per request).
@@ -730,15 +766,26 @@ fn start_egress(
     let Some(settings) = &config.egress else {
         return Ok(None);
     };
+    start_proxy(settings, dir, uds_path, jail::active(config.jail)).map(Some)
+}
+
+/// Starts the proxy of `settings` on the egress socket of the VM whose vsock socket is
+/// `uds_path`, in runtime directory `dir`; the socket goes to the jailed VMM's uid when `jailed`.
+fn start_proxy(
+    settings: &EgressSettings,
+    dir: &Path,
+    uds_path: &Path,
+    jailed: bool,
+) -> Result<EgressProxy, Error> {
     let proxy = egress::start(settings, dir, uds_path)?;
     let socket = egress::socket_path(uds_path);
-    if jail::active(config.jail) {
+    if jailed {
         jail::hand_to_vmm(dir, &socket).map_err(|source| EgressError::Socket {
             path: socket,
             source,
         })?;
     }
-    Ok(Some(proxy))
+    Ok(proxy)
 }
 
 /// Writes the proxy's CA certificate into the guest, when there is a proxy.

@@ -8,6 +8,7 @@ use bulkhead_egress::policy::{
     NetworkMode, NetworkSpec, PolicyError, RuleAction, RuleSpec, SecretSpec, SecretValues,
 };
 use bulkhead_egress::secrets::SecretValue;
+use bulkhead_sandbox::egress::EgressSettings;
 use bulkhead_sandbox::spec::{self, SpecError};
 use bulkhead_sandbox::storage::{StorageError, MIN_SCRATCH_MIB};
 use bulkhead_sandbox::{
@@ -268,6 +269,21 @@ pub fn plan(
     let recipe = spec::build(&spec, &host, id).map_err(spec_error)?;
     check_memory_available(&spec, &recipe, facts, config)?;
     Ok((spec, recipe))
+}
+
+/// The egress proxy's settings of a recorded sandbox's `spec` (its secrets read again from the
+/// daemon's `[secrets]`), for a restarted daemon that adopts it; `None` without a network.
+///
+/// # Errors
+/// As [`plan`] for the network: a secret the configuration no longer has, or one that cannot
+/// be read.
+pub fn network_settings(
+    config: &Config,
+    spec: &SandboxSpec,
+) -> Result<Option<EgressSettings>, ManagerError> {
+    let mut host = host_settings(config, host_facts(config));
+    host.secrets = secret_values(config, spec)?;
+    spec::egress_settings(spec, &host).map_err(spec_error)
 }
 
 /// The daemon's own limits, stricter than the spec's: `max_vcpus`, `max_memory_mib`,

@@ -6,16 +6,20 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bulkhead_client::SandboxState;
 use bulkhead_sandbox::Sandbox;
 
 use super::images::remove_scratch;
 use super::lifecycle::{cleanup_files_and_cgroup, teardown};
-use super::{failure, procs, Entry, EntryInner, Manager};
+use super::{failure, plan, procs, Entry, EntryInner, Manager};
 use crate::cgroup::VmCgroup;
 use crate::config::RestartPolicy;
 use crate::store::{Phase, Record};
+
+/// Longest the agent of an adopted sandbox may take to take the new proxy's CA certificate.
+const NETWORK_RESTART_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A recovered sandbox: running (with its adopted VM) or failed.
 type Recovered = (Record, Option<Sandbox>);
@@ -65,8 +69,9 @@ impl Manager {
             Phase::Running => {
                 let adopted = record.sandbox.as_ref().map(Sandbox::adopt);
                 match (self.inner.config.on_restart, adopted) {
-                    (RestartPolicy::Adopt, Some(Ok(sandbox))) => {
+                    (RestartPolicy::Adopt, Some(Ok(mut sandbox))) => {
                         tracing::info!(id = %record.id, "adopted the running sandbox");
+                        self.restart_network(&record, &mut sandbox);
                         Some((record, Some(sandbox)))
                     }
                     (RestartPolicy::Adopt, adopted) => {
@@ -87,6 +92,25 @@ impl Manager {
                     }
                 }
             }
+        }
+    }
+
+    /// Starts the egress proxy of an adopted sandbox with a network again (its predecessor's
+    /// ended with the old daemon) and installs the new proxy's CA in the guest. When that
+    /// fails (e.g. a secret it names left the configuration) the sandbox keeps running without
+    /// a network (its guest's connections are refused), and the error is logged.
+    fn restart_network(&self, record: &Record, sandbox: &mut Sandbox) {
+        let config = &self.inner.config;
+        let result = match plan::network_settings(config, &record.spec) {
+            Ok(Some(settings)) => sandbox
+                .restart_network(&settings, NETWORK_RESTART_TIMEOUT)
+                .map_err(|e| e.to_string()),
+            Ok(None) => return,
+            Err(e) => Err(e.to_string()),
+        };
+        match result {
+            Ok(()) => tracing::info!(id = %record.id, "restarted the sandbox's egress proxy"),
+            Err(e) => tracing::error!(id = %record.id, "the adopted sandbox has no network: {e}"),
         }
     }
 

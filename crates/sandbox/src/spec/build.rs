@@ -229,7 +229,7 @@ pub fn build(spec: &SandboxSpec, host: &HostSettings, id: &str) -> Result<Recipe
     let mut config = config_of(spec, host, kernel, Some(hostname));
     config.mounts = mounts;
     config.workspace = workspace;
-    config.egress = egress_of(spec, host)?;
+    config.egress = egress_settings(spec, host)?;
     config
         .check_files()
         .map_err(|e| SpecError::File(Box::new(e)))?;
@@ -273,8 +273,15 @@ pub(crate) fn config_of(
 
 /// The egress proxy's settings for `spec`'s network: its policy compiled with the host's secret
 /// values (unknown secrets, malformed rules and presets are errors here, before anything
-/// starts); `None` without a network.
-fn egress_of(spec: &SandboxSpec, host: &HostSettings) -> Result<Option<EgressSettings>, SpecError> {
+/// starts); `None` without a network. [`build`] uses it, and so does a process that adopts a
+/// running sandbox and restarts its proxy ([`crate::Sandbox::restart_network`]).
+///
+/// # Errors
+/// [`SpecError`] for an unknown secret or a malformed rule or preset.
+pub fn egress_settings(
+    spec: &SandboxSpec,
+    host: &HostSettings,
+) -> Result<Option<EgressSettings>, SpecError> {
     let Some(network) = spec.network.as_ref().filter(|_| spec.has_network()) else {
         return Ok(None);
     };
