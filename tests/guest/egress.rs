@@ -64,8 +64,16 @@ impl Server {
 /// `bulkhead run --image <debian> ARGS -- sh -c SCRIPT` with the secret in the environment and
 /// the test CA as the proxy's upstream roots.
 fn run(server: &Server, args: &[&str], script: &str) -> Output {
+    bulkhead_run(server, args, script)
+        .output()
+        .expect("run bulkhead")
+}
+
+/// The command of [`run`], not started.
+fn bulkhead_run(server: &Server, args: &[&str], script: &str) -> Command {
     let a = artifacts();
-    Command::new(&a.cli)
+    let mut command = Command::new(&a.cli);
+    command
         .arg("run")
         .arg("--image")
         .arg(a.debian_image())
@@ -83,9 +91,8 @@ fn run(server: &Server, args: &[&str], script: &str) -> Output {
         .env("BULKHEAD_INITRD", &a.agent_initrd)
         .env("BULKHEAD_VMM", &a.vmm)
         .env("TOKEN", SECRET)
-        .env("SSL_CERT_FILE", &server.ca_file)
-        .output()
-        .expect("run bulkhead")
+        .env("SSL_CERT_FILE", &server.ca_file);
+    command
 }
 
 /// The value of `key=` on the guest's report line `key=value`.
@@ -316,27 +323,17 @@ net_test!(
              echo placeholder=$TOKEN; echo ready; sleep 30"
         );
         let secret = format!("TOKEN={api}");
-        let a = artifacts();
-        let mut child = Command::new(&a.cli)
-            .arg("run")
-            .arg("--image")
-            .arg(a.debian_image())
-            .args([
-                "--memory",
-                "256",
-                "--boot-timeout",
-                "300",
-                "--timeout",
-                "240",
-            ])
-            .args(["--allow", &api, "--allow-cidr", "127.0.0.1/32"])
-            .args(["--add-host", "api.test:127.0.0.1", "--secret", &secret])
-            .args(["--", "sh", "-c", &script])
-            .env("BULKHEAD_KERNEL", &a.vmlinux)
-            .env("BULKHEAD_INITRD", &a.agent_initrd)
-            .env("BULKHEAD_VMM", &a.vmm)
-            .env("TOKEN", SECRET)
-            .env("SSL_CERT_FILE", &server.ca_file)
+        let args = [
+            "--allow",
+            &api,
+            "--allow-cidr",
+            "127.0.0.1/32",
+            "--add-host",
+            "api.test:127.0.0.1",
+            "--secret",
+            &secret,
+        ];
+        let mut child = bulkhead_run(&server, &args, &script)
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("run bulkhead");
