@@ -89,7 +89,7 @@ pub struct CreateArgs {
     #[command(flatten)]
     network: crate::network::NetworkArgs,
     /// Destroy the sandbox after this many seconds.
-    #[arg(long, value_name = "SECS")]
+    #[arg(long, value_name = "SECS", value_parser = whole_seconds)]
     ttl: Option<u64>,
     /// Label (repeatable).
     #[arg(short = 'l', long = "label", value_name = "K=V", value_parser = key_value)]
@@ -496,6 +496,12 @@ pub fn logs(args: LogsArgs) -> ExitCode {
         print_stdout(&text)?;
         Ok(0)
     })
+}
+
+/// A whole number of seconds (`--ttl`).
+fn whole_seconds(s: &str) -> Result<u64, String> {
+    s.parse()
+        .map_err(|_| format!("{s:?} is not a whole number of seconds"))
 }
 
 #[cfg(test)]

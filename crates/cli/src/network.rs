@@ -68,16 +68,25 @@ impl NetworkArgs {
             || !spec.allow_cidr.is_empty()
             || !spec.rules.is_empty()
             || !spec.secrets.is_empty();
+        let denies = !spec.deny.is_empty();
         spec.mode = match (self.network, spec.mode) {
-            (Some(NetworkMode::None), _) if has_rules || self.policy.is_some() => {
+            (Some(NetworkMode::None), _) if has_rules || denies || self.policy.is_some() => {
                 return Err(
-                    "--network none takes no --allow, --allow-cidr, --secret or \
+                    "--network none takes no --allow, --deny, --allow-cidr, --secret or \
                             --policy (drop them, or pick allowlist or allow-all)"
                         .to_owned(),
                 )
             }
             (Some(mode), _) => mode,
             (None, NetworkMode::None) if has_rules => NetworkMode::Allowlist,
+            // Deny rules narrow a network; alone they would silently change nothing.
+            (None, NetworkMode::None) if denies => {
+                return Err(
+                    "--deny narrows a network, and there is none: add --allow or \
+                            --allow-cidr (allowlist), or --network allow-all"
+                        .to_owned(),
+                )
+            }
             (None, file_mode) => file_mode,
         };
         let hosts = self
@@ -87,6 +96,16 @@ impl NetworkArgs {
             .collect::<Result<_, _>>()?;
         let network = (spec.mode != NetworkMode::None).then_some(spec);
         Ok((network, group_hosts(hosts)))
+    }
+}
+
+impl NetworkArgs {
+    /// The names of the `--secret` flags (whatever follows them unchecked here).
+    pub fn secret_names(&self) -> impl Iterator<Item = &str> {
+        self.secret
+            .iter()
+            .filter_map(|s| s.split_once('=').map(|(name, _)| name))
+            .filter(|name| !name.is_empty())
     }
 }
 
@@ -214,6 +233,8 @@ mod tests {
         // Arrange
         let cases = [
             vec!["--network", "none", "--allow", "pypi.org"],
+            vec!["--network", "none", "--deny", "pypi.org"],
+            vec!["--deny", "10.0.0.0/33"],
             vec!["--secret", "TOKEN"],
             vec!["--secret", "=api.test"],
             vec!["--network", "allowlist", "--add-host", "api.test"],
@@ -224,13 +245,21 @@ mod tests {
         let errors: Vec<String> = cases.iter().map(|c| args(c).spec().unwrap_err()).collect();
 
         // Assert
-        assert!(errors[0].contains("--network none"), "{}", errors[0]);
         assert!(
-            errors[1..3].iter().all(|e| e.contains("NAME=HOST")),
+            errors[..2].iter().all(|e| e.contains("--network none")),
             "{errors:?}"
         );
         assert!(
-            errors[3..].iter().all(|e| e.contains("NAME:IP")),
+            errors[2].contains("--deny narrows a network"),
+            "{}",
+            errors[2]
+        );
+        assert!(
+            errors[3..5].iter().all(|e| e.contains("NAME=HOST")),
+            "{errors:?}"
+        );
+        assert!(
+            errors[5..].iter().all(|e| e.contains("NAME:IP")),
             "{errors:?}"
         );
     }

@@ -333,14 +333,30 @@ fn print_timings(t: &bulkhead_sandbox::Timings) {
 /// # Errors
 /// That explanation.
 pub(crate) fn require_bootable_kvm(shares: &[PathBuf]) -> Result<(), String> {
-    require_kvm_or_hint(|| testhost_hint(&quoted_words(&user_words()), shares))
+    require_kvm_or_hint(|| testhost_hint(&quoted_words(&user_words()), shares, &[]))
 }
 
 /// Like [`require_bootable_kvm`] for `bulkhead run`: the suggested command repeats `words` (the
 /// user's own arguments after `bulkhead`) and also shares the directories it reads and writes
-/// ([`extra_shares`]).
+/// ([`extra_shares`]) and passes on the secrets taken from the environment ([`secrets_from_env`]).
 fn require_bootable_kvm_for(words: &[String], args: &RunArgs) -> Result<(), String> {
-    require_kvm_or_hint(|| testhost_hint(&quoted_words(words), &extra_shares(args)))
+    require_kvm_or_hint(|| {
+        let pass = secrets_from_env(args);
+        testhost_hint(&quoted_words(words), &extra_shares(args), &pass)
+    })
+}
+
+/// The `--secret` names whose value comes from this process's environment (no `--secret-file`).
+fn secrets_from_env(args: &RunArgs) -> Vec<&str> {
+    let from_files: Vec<&str> = args
+        .secret_files
+        .iter()
+        .filter_map(|f| f.split_once('=').map(|(name, _)| name))
+        .collect();
+    args.network
+        .secret_names()
+        .filter(|name| !from_files.contains(name))
+        .collect()
 }
 
 /// `words` shell-quoted and joined by spaces.
@@ -389,6 +405,11 @@ fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
     let read = [args.kernel.as_deref(), args.initrd.as_deref(), image_path];
     let read = read.into_iter().flatten();
     let read = read.chain(args.disk_files.iter().map(|d| d.path.as_path()));
+    let secret_files = args
+        .secret_files
+        .iter()
+        .filter_map(|f| f.split_once('=').map(|(_, path)| Path::new(path)));
+    let read = read.chain(secret_files);
     let written = [&args.export_patch, &args.export_tar, &args.console];
     let written = written.into_iter().flatten().map(PathBuf::as_path);
     let file_dirs = read.chain(written).filter_map(Path::parent);
@@ -515,18 +536,25 @@ const OVERRIDE_ENV: [&str; 3] = ["BULKHEAD_KERNEL", "BULKHEAD_INITRD", "BULKHEAD
 /// The `bulkhead-testhost` command line that runs this `bulkhead` with the arguments `verb`
 /// (already shell-quoted) in the nested test host: the binaries' directory, the data directory
 /// and `shares` shared at the same paths, the data directory named explicitly (the test host's
-/// HOME differs), and the [`OVERRIDE_ENV`] variables set here passed on with their directories.
-fn testhost_hint(verb: &str, shares: &[PathBuf]) -> String {
+/// HOME differs), the [`OVERRIDE_ENV`] variables set here passed on with their directories, and
+/// the variables named in `pass` passed on by name (`-e NAME`: their values stay off the command
+/// line).
+fn testhost_hint(verb: &str, shares: &[PathBuf], pass: &[&str]) -> String {
     let overrides: Vec<(&str, PathBuf)> = OVERRIDE_ENV
         .iter()
         .filter_map(|key| std::env::var_os(key).map(|v| (*key, PathBuf::from(v))))
         .filter(|(_, path)| !path.as_os_str().is_empty())
         .collect();
-    testhost_hint_with(verb, shares, &overrides)
+    testhost_hint_with(verb, shares, &overrides, pass)
 }
 
 /// [`testhost_hint`] with the environment overrides `env` (name, path) given.
-fn testhost_hint_with(verb: &str, shares: &[PathBuf], env: &[(&str, PathBuf)]) -> String {
+fn testhost_hint_with(
+    verb: &str,
+    shares: &[PathBuf],
+    env: &[(&str, PathBuf)],
+    pass: &[&str],
+) -> String {
     let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("bulkhead"));
     let bin_dir = exe.parent().unwrap_or(Path::new("/")).to_owned();
     let data = bulkhead_sandbox::paths::data_dir();
@@ -546,6 +574,7 @@ fn testhost_hint_with(verb: &str, shares: &[PathBuf], env: &[(&str, PathBuf)]) -
     let env_args: String = env
         .iter()
         .map(|(key, value)| format!("-e {} ", shell_quote(&format!("{key}={}", value.display()))))
+        .chain(pass.iter().map(|name| format!("-e {} ", shell_quote(name))))
         .collect();
     format!(
         "bulkhead-testhost run --share {bin} --share {data} {extra}-e BULKHEAD_DATA_DIR={data} {env_args}-- {exe} {verb}",

@@ -182,13 +182,13 @@ fn the_testhost_hint_carries_the_arguments_and_extra_shares() {
 }
 
 #[test]
-fn the_testhost_hint_passes_kernel_initrd_and_vmm_overrides_on_with_their_dirs() {
+fn the_testhost_hint_passes_overrides_on_with_their_dirs_and_secrets_by_name() {
     let env = [
         ("BULKHEAD_KERNEL", PathBuf::from("/k/vmlinux")),
         ("BULKHEAD_VMM", PathBuf::from("/opt/vmm dir/bulkhead-vmm")),
     ];
 
-    let hint = testhost_hint_with("run -- true", &[PathBuf::from("/k")], &env);
+    let hint = testhost_hint_with("run -- true", &[PathBuf::from("/k")], &env, &["TOKEN"]);
 
     assert!(
         hint.contains(" --share /k --share '/opt/vmm dir' -e "),
@@ -196,7 +196,7 @@ fn the_testhost_hint_passes_kernel_initrd_and_vmm_overrides_on_with_their_dirs()
     );
     assert!(hint.contains(" -e 'BULKHEAD_KERNEL=/k/vmlinux' "), "{hint}");
     assert!(
-        hint.contains(" -e 'BULKHEAD_VMM=/opt/vmm dir/bulkhead-vmm' -- "),
+        hint.contains(" -e 'BULKHEAD_VMM=/opt/vmm dir/bulkhead-vmm' -e TOKEN -- "),
         "{hint}"
     );
     assert_eq!(hint.matches("--share /k ").count(), 1, "{hint}");

@@ -307,6 +307,20 @@ impl SandboxSpec {
         if let Some(FileRef::Name(name)) = &self.kernel {
             check_kernel_name(name)?;
         }
+        if let Some(net) = self.network.as_ref().filter(|_| !self.has_network()) {
+            let rules = !(net.allow.is_empty()
+                && net.deny.is_empty()
+                && net.allow_cidr.is_empty()
+                && net.rules.is_empty()
+                && net.secrets.is_empty());
+            if rules {
+                return Err(invalid(
+                    "network",
+                    "mode none takes no rules or secrets (drop them, or pick allowlist or \
+                     allow-all)",
+                ));
+            }
+        }
         if !self.extra_hosts.is_empty() && !self.has_network() {
             return Err(invalid(
                 "extra_hosts",

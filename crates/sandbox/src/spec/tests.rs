@@ -158,6 +158,17 @@ fn out_of_range_and_malformed_values_name_their_field() {
             },
             "kernel",
         ),
+        (
+            SandboxSpec {
+                network: Some(bulkhead_egress::policy::NetworkSpec {
+                    mode: bulkhead_egress::policy::NetworkMode::None,
+                    deny: vec!["10.0.0.0/33".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            "network",
+        ),
     ];
 
     // Act

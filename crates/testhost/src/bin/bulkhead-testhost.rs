@@ -51,8 +51,9 @@ struct RunArgs {
     /// path to a file).
     #[arg(long = "libs-for", value_name = "BINARY")]
     libs_for: Vec<PathBuf>,
-    /// Environment variable for CMD (repeatable).
-    #[arg(short = 'e', long = "env", value_name = "KEY=VALUE")]
+    /// Environment variable for CMD; a bare KEY passes on this environment's value of KEY, which
+    /// stays off the command line (repeatable).
+    #[arg(short = 'e', long = "env", value_name = "KEY=VALUE|KEY")]
     env: Vec<String>,
     /// Run the vCPUs in parallel host threads (multi-threaded TCG; faster for parallel work, but see the
     /// crate docs on its rare boot livelock).
@@ -107,14 +108,19 @@ fn run_prepare(libs_for: Vec<PathBuf>) -> Result<()> {
 fn build_script(cwd: &Path, env: &[String], cmd: &[String]) -> Result<String> {
     let mut script = String::new();
     for kv in env {
-        let (k, v) = kv
-            .split_once('=')
-            .with_context(|| format!("--env {kv:?} is not KEY=VALUE"))?;
+        let (k, v) = match kv.split_once('=') {
+            Some((k, v)) => (k, v.to_owned()),
+            None => {
+                let v = std::env::var(kv)
+                    .with_context(|| format!("--env {kv}: no environment variable {kv} here"))?;
+                (kv.as_str(), v)
+            }
+        };
         let valid = !k.is_empty()
             && !k.starts_with(|c: char| c.is_ascii_digit())
             && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
         anyhow::ensure!(valid, "--env {kv:?}: {k:?} is not a variable name");
-        script.push_str(&format!("export {k}={}\n", shell_quote(v)));
+        script.push_str(&format!("export {k}={}\n", shell_quote(&v)));
     }
     script.push_str(&format!("cd {} || exit 125\n", shell_quote_path(cwd)));
     let words: Vec<String> = cmd.iter().map(|w| shell_quote(w)).collect();
