@@ -59,6 +59,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let kvm = bulkhead_vmm::vstate::kvm::host_kvm();
+    if !kvm.can_boot_stock_kernel() {
+        tracing::warn!(
+            "{}: sandboxes created here will fail to boot (502 vm_exited); on such a host run \
+             bulkheadd and its clients inside the nested test host (docs/testhost.md)",
+            kvm.explain()
+        );
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
