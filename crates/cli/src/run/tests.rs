@@ -171,6 +171,7 @@ fn the_testhost_hint_carries_the_arguments_and_extra_shares() {
     let hint = testhost_hint(
         "run --memory 512 -- 'a b'",
         &[PathBuf::from("/src/my proj")],
+        &[],
     );
 
     assert!(hint.starts_with("bulkhead-testhost run --share "), "{hint}");
