@@ -59,6 +59,17 @@ impl Server {
             _dir: dir,
         }
     }
+
+    /// The `Authorization` headers of every request the server received, in order.
+    fn authorizations(&self) -> Vec<String> {
+        self.server
+            .state
+            .seen()
+            .iter()
+            .filter_map(|s| s.headers.get("authorization"))
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .collect()
+    }
 }
 
 /// `bulkhead run --image <debian> ARGS -- sh -c SCRIPT` with the secret in the environment and
@@ -167,14 +178,7 @@ net_test!(
             "{}\n--- egress log\n{log_text}",
             describe(&out)
         );
-        let auth: Vec<String> = server
-            .server
-            .state
-            .seen()
-            .iter()
-            .filter_map(|s| s.headers.get("authorization"))
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-            .collect();
+        let auth = server.authorizations();
         assert_eq!(
             auth,
             [format!("Bearer {SECRET}")],
@@ -371,14 +375,7 @@ net_test!(
             "the scan did not find the placeholder in guest RAM"
         );
         assert!(!secret_seen, "the secret's value is in the VMM's memory");
-        let received: Vec<String> = server
-            .server
-            .state
-            .seen()
-            .iter()
-            .filter_map(|s| s.headers.get("authorization"))
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-            .collect();
+        let received = server.authorizations();
         assert_eq!(received, [format!("Bearer {SECRET}")]);
     }
 );
