@@ -64,6 +64,14 @@ pub fn socket_path(vsock_path: &Path) -> PathBuf {
     PathBuf::from(format!("{}_{EGRESS_PORT}", vsock_path.display()))
 }
 
+/// Where the proxy of `settings` logs: the settings' log, else `<runtime_dir>/egress.jsonl`.
+pub(crate) fn log_path(settings: &EgressSettings, runtime_dir: &Path) -> PathBuf {
+    settings
+        .log
+        .clone()
+        .unwrap_or_else(|| runtime_dir.join(EGRESS_LOG))
+}
+
 /// Starts the proxy of `settings` on the sandbox's egress socket, logging to the settings' log
 /// or `<runtime_dir>/egress.jsonl`.
 ///
@@ -78,14 +86,10 @@ pub(crate) fn start(
     for (name, addrs) in &settings.hosts {
         pinned = pinned.with(name, addrs);
     }
-    let log = settings
-        .log
-        .clone()
-        .unwrap_or_else(|| runtime_dir.join(EGRESS_LOG));
     let mut config = ProxyConfig::new(
         settings.policy.clone(),
         Listen::Unix(socket_path(vsock_path)),
-        log,
+        log_path(settings, runtime_dir),
     );
     config.resolver = Some(Arc::new(HostsResolver::new(pinned)));
     Ok(EgressProxy::start(config)?)
