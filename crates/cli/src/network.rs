@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bulkhead_egress::policy::{presets, NetworkMode, NetworkSpec, SecretSpec, SecretValues};
@@ -158,11 +158,8 @@ pub fn secret_values(
 ) -> Result<SecretValues, String> {
     let mut from_files = BTreeMap::new();
     for entry in files {
-        let (name, path) = entry
-            .split_once('=')
-            .filter(|(n, p)| !n.is_empty() && !p.is_empty())
-            .ok_or_else(|| format!("--secret-file {entry:?} is not NAME=PATH"))?;
-        from_files.insert(name.to_owned(), PathBuf::from(path));
+        let (name, path) = secret_file(entry)?;
+        from_files.insert(name.to_owned(), path.to_owned());
     }
     let mut values = SecretValues::new();
     for name in network.into_iter().flat_map(NetworkSpec::secret_names) {
@@ -188,6 +185,18 @@ pub fn secret_values(
         ));
     }
     Ok(values)
+}
+
+/// A `--secret-file NAME=PATH` entry as its name and path.
+///
+/// # Errors
+/// An entry that is not `NAME=PATH`.
+pub fn secret_file(entry: &str) -> Result<(&str, &Path), String> {
+    entry
+        .split_once('=')
+        .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+        .map(|(n, p)| (n, Path::new(p)))
+        .ok_or_else(|| format!("--secret-file {entry:?} is not NAME=PATH"))
 }
 
 /// `bulkhead network presets`: every preset with its description and hosts.

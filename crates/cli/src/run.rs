@@ -351,7 +351,7 @@ fn secrets_from_env(args: &RunArgs) -> Vec<&str> {
     let from_files: Vec<&str> = args
         .secret_files
         .iter()
-        .filter_map(|f| f.split_once('=').map(|(name, _)| name))
+        .filter_map(|f| network::secret_file(f).ok().map(|(name, _)| name))
         .collect();
     args.network
         .secret_names()
@@ -408,7 +408,7 @@ fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
     let secret_files = args
         .secret_files
         .iter()
-        .filter_map(|f| f.split_once('=').map(|(_, path)| Path::new(path)));
+        .filter_map(|f| network::secret_file(f).ok().map(|(_, path)| path));
     let read = read.chain(secret_files);
     let written = [&args.export_patch, &args.export_tar, &args.console];
     let written = written.into_iter().flatten().map(PathBuf::as_path);
