@@ -165,6 +165,9 @@ pub struct CpArgs {
 pub struct RmArgs {
     #[command(flatten)]
     daemon: DaemonOpts,
+    /// Say nothing about IDs that name no sandbox (they are gone already).
+    #[arg(short, long)]
+    force: bool,
     /// Sandbox IDs, or prefixes of them that no other sandbox's ID starts with.
     #[arg(required = true, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     ids: Vec<String>,
@@ -473,14 +476,35 @@ pub fn cp(args: CpArgs) -> ExitCode {
     })
 }
 
-/// `bulkhead rm`.
+/// `bulkhead rm`: destroys each sandbox in turn; an ID that names none is an error (unless
+/// `--force`) that does not stop the others, as `docker rm` does. The API's DELETE itself is
+/// idempotent, so the ID is looked up first.
 pub fn rm(args: RmArgs) -> ExitCode {
     block_on(async move {
         let client = args.daemon.client();
+        let mut failed = false;
         for id in &args.ids {
-            client.delete(id).await.map_err(|e| format!("{id}: {e}"))?;
+            let found = match client.get(id).await {
+                Ok(info) => Some(info.id),
+                Err(bulkhead_client::Error::Api { status: 404, .. }) if args.force => None,
+                Err(e) => {
+                    eprintln!("bulkhead: error: {id}: {e}");
+                    failed = true;
+                    None
+                }
+            };
+            if let Some(full) = found {
+                if let Err(e) = client.delete(&full).await {
+                    eprintln!("bulkhead: error: {id}: {e}");
+                    failed = true;
+                }
+            }
         }
-        Ok(0)
+        Ok(if failed {
+            crate::EXIT_BULKHEAD_ERROR
+        } else {
+            0
+        })
     })
 }
 

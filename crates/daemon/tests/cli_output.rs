@@ -150,3 +150,52 @@ fn create_whose_id_cannot_be_printed_fails_and_leaves_no_sandbox() {
     assert!(full_err.contains("destroyed"), "{full_err}");
     assert!(listed.is_empty(), "left behind: {listed:?}");
 }
+
+/// `bulkhead rm --socket S [EXTRA...] IDS...`, run to its end.
+fn rm(daemon: &TestDaemon, extra: &[&str], ids: &[&str]) -> std::process::Output {
+    Command::new(cli())
+        .arg("rm")
+        .arg("--socket")
+        .arg(&daemon.socket)
+        .args(extra)
+        .args(ids)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn rm_of_an_unknown_id_fails_but_still_removes_the_others() {
+    // Arrange
+    let (daemon, id) = daemon_with_sandbox();
+
+    // Act
+    let out = rm(&daemon, &[], &["0123456789ab", &id]);
+
+    // Assert
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let listed = rt()
+        .block_on(daemon.client().list(&Default::default()))
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(stderr.contains("0123456789ab"), "{stderr}");
+    assert!(!stderr.contains(&id), "{stderr}");
+    assert!(listed.is_empty(), "left behind: {listed:?}");
+}
+
+#[test]
+fn rm_force_of_an_unknown_id_succeeds_quietly() {
+    // Arrange
+    let daemon = TestDaemon::start();
+
+    // Act
+    let out = rm(&daemon, &["--force"], &["0123456789ab"]);
+
+    // Assert
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
