@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use crate::artifacts::{self, PrepareError, PrepareOptions, Prepared};
 use crate::channel::{ChannelError, ControlChannel, Tailer};
 use crate::protocol::{self, GuestMsg, HostMsg, Share, ShareCache, SCRATCH_TAG};
-use crate::qemu::{find_in_path, QemuConfig, QemuError, QemuProcess, TcgThreads, QEMU};
+use crate::qemu::{
+    find_in_path, QemuConfig, QemuError, QemuProcess, TcgThreads, DEFAULT_CPU_MODEL, QEMU,
+};
 use crate::rundir::{
     console_tail, create_run_dir, make_dir, remove_stale_run_dirs, validate_shares, write_file,
     SetupError,
@@ -106,11 +108,15 @@ pub struct TestHostConfig {
     pub boot_attempts: u32,
     /// How QEMU runs the vCPUs. Default [`TcgThreads::Single`].
     pub tcg_threads: TcgThreads,
+    /// QEMU `-cpu` value. Default [`DEFAULT_CPU_MODEL`] (`max`).
+    pub cpu_model: String,
     /// Artifact cache root; `None` means `${XDG_CACHE_HOME:-~/.cache}/bulkhead/testhost`.
     pub cache_dir: Option<PathBuf>,
     /// Kernel package to use; `None` asks apt what `linux-image-amd64` depends on.
     pub kernel_package: Option<String>,
     /// Extra kernel command line arguments, appended (e.g. `loglevel=7` to see the boot on the console).
+    /// `MODULE.PARAM=VALUE` entries are also passed to that module when init loads it, as `modprobe`
+    /// does (e.g. `kvm_amd.vgif=0`).
     pub kernel_args: Vec<String>,
 }
 
@@ -125,6 +131,7 @@ impl Default for TestHostConfig {
             boot_timeout: Duration::from_secs(90),
             boot_attempts: 2,
             tcg_threads: TcgThreads::default(),
+            cpu_model: DEFAULT_CPU_MODEL.into(),
             cache_dir: None,
             kernel_package: None,
             kernel_args: Vec::new(),
@@ -277,6 +284,7 @@ fn boot_once(
     }];
     all_shares.extend_from_slice(shares);
     let config = QemuConfig {
+        cpu_model: cfg.cpu_model.clone(),
         memory_mib: cfg.memory_mib,
         cpus: cfg.cpus,
         tcg_threads: cfg.tcg_threads,

@@ -108,4 +108,4 @@ pub mod rundir;
 pub use artifacts::{prepare, PrepareOptions, Prepared};
 pub use host::{CommandOutput, Error, TestHost, TestHostConfig};
 pub use protocol::ShareCache;
-pub use qemu::TcgThreads;
+pub use qemu::{TcgThreads, DEFAULT_CPU_MODEL};

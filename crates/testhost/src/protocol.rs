@@ -184,8 +184,18 @@ fail() {
   poweroff -f
 }
 ctl=
+# A module's parameters come from the kernel command line's MODULE.PARAM=VALUE entries, as modprobe
+# reads them (insmod does not); e.g. kvm_amd.vgif=0.
+read -r cmdline </proc/cmdline
+params() {
+  p=
+  for a in $cmdline; do
+    case "$a" in "$1".*=*) p="$p ${a#"$1".}" ;; esac
+  done
+  echo "$p"
+}
 for m in {MODULES}; do
-  insmod {MODDIR}/$m.ko || fail "insmod $m.ko failed (see the console log)"
+  insmod {MODDIR}/$m.ko $(params $m) || fail "insmod $m.ko $(params $m) failed (see the console log)"
 done
 # The control channel is the virtio-serial port named {PORT}; ports appear asynchronously after the
 # driver binds, so wait for it (up to ~20 s, without forking).
@@ -389,5 +399,25 @@ mod tests {
         ] {
             assert!(!init.contains(placeholder), "{placeholder} left in /init");
         }
+    }
+
+    #[test]
+    fn init_passes_a_module_its_parameters_from_the_kernel_command_line() {
+        // Arrange: the init's `params` function, run by a POSIX shell on a made-up command line
+        let init = init_script(&["kvm_amd".to_string()], &[]);
+        let start = init.find("params() {").expect("params function in /init");
+        let end = start + init[start..].find("\n}\n").expect("end of params") + 3;
+        let cmdline =
+            "console=ttyS0 kvm_amd.vgif=0 kvm.x=1 kvm_amd.npt=0 kvm_amdx.y=2 kvm_amd.bare";
+        let script = format!(
+            "cmdline='{cmdline}'\n{}\necho \"[$(params kvm_amd)]\"",
+            &init[start..end]
+        );
+
+        // Act
+        let out = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+
+        // Assert
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "[ vgif=0 npt=0]\n");
     }
 }

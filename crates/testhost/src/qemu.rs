@@ -53,9 +53,15 @@ pub enum TcgThreads {
     Multi,
 }
 
+/// The emulated CPU model of the test host by default: QEMU's `max`, every feature TCG emulates,
+/// AMD SVM included (what makes `/dev/kvm` work inside).
+pub const DEFAULT_CPU_MODEL: &str = "max";
+
 /// Everything the QEMU command line is built from.
 #[derive(Debug, Clone)]
 pub struct QemuConfig {
+    /// QEMU `-cpu` value: a model and optional `+feature`/`-feature` flags, e.g. `max,-vgif`.
+    pub cpu_model: String,
     /// Guest RAM in MiB.
     pub memory_mib: u32,
     /// Number of vCPUs.
@@ -91,7 +97,7 @@ impl QemuConfig {
                 TcgThreads::Multi => "tcg,thread=multi".into(),
             },
             "-cpu".into(),
-            "max".into(),
+            self.cpu_model.clone(),
             "-smp".into(),
             self.cpus.to_string(),
             "-m".into(),
@@ -327,6 +333,7 @@ mod tests {
 
     fn config() -> QemuConfig {
         QemuConfig {
+            cpu_model: DEFAULT_CPU_MODEL.into(),
             memory_mib: 2048,
             cpus: 2,
             tcg_threads: TcgThreads::Multi,
@@ -359,6 +366,19 @@ mod tests {
         assert!(line.starts_with("-accel tcg,thread=multi -cpu max -smp 2 -m 2048 "));
         assert!(line.ends_with("-append console=ttyS0 quiet panic=-1"));
         assert!(line.contains("-no-reboot"));
+    }
+
+    #[test]
+    fn cpu_model_and_its_feature_flags_reach_the_command_line() {
+        // Arrange
+        let mut c = config();
+        c.cpu_model = "EPYC-Rome,-vgif".into();
+
+        // Act
+        let line = joined(&c);
+
+        // Assert
+        assert!(line.starts_with("-accel tcg,thread=multi -cpu EPYC-Rome,-vgif -smp 2 "));
     }
 
     #[test]

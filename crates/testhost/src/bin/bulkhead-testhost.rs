@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use bulkhead_testhost::protocol::{shell_quote, shell_quote_path};
-use bulkhead_testhost::{prepare, Error, TcgThreads, TestHost, TestHostConfig};
+use bulkhead_testhost::{prepare, Error, TcgThreads, TestHost, TestHostConfig, DEFAULT_CPU_MODEL};
 use clap::{Args, Parser, Subcommand};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -59,7 +59,11 @@ struct RunArgs {
     /// crate docs on its rare boot livelock).
     #[arg(long)]
     mttcg: bool,
-    /// Extra kernel command line argument for the test host (repeatable), e.g. `loglevel=7`.
+    /// QEMU CPU model with optional feature flags (`-cpu` value), e.g. `EPYC-Rome` or `max,-vgif`.
+    #[arg(long = "cpu", value_name = "MODEL", default_value = DEFAULT_CPU_MODEL)]
+    cpu_model: String,
+    /// Extra kernel command line argument for the test host (repeatable), e.g. `loglevel=7`;
+    /// `MODULE.PARAM=VALUE` also reaches that module when it is loaded, e.g. `kvm_amd.npt=0`.
     #[arg(long = "kernel-arg", value_name = "ARG")]
     kernel_args: Vec<String>,
     /// Debian kernel package to boot the test host with (e.g. `linux-image-6.12.95+deb12-amd64`
@@ -148,6 +152,7 @@ fn run_command(args: RunArgs) -> Result<u8> {
         extra_libs_for: libs_for,
         kernel_args: args.kernel_args,
         kernel_package: args.kernel_package,
+        cpu_model: args.cpu_model,
         tcg_threads: if args.mttcg {
             TcgThreads::Multi
         } else {
