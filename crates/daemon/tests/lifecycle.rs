@@ -230,6 +230,10 @@ fn sigterm_destroys_every_sandbox_by_default() {
     // Assert
     assert!(clean_exit);
     assert!(!daemon.socket.exists(), "the socket file is removed");
+    assert!(
+        !daemon.vms_dir().exists(),
+        "the empty VM runtime root is removed"
+    );
     assert_eq!(
         daemon.leftovers(&[sb.vmm_pid.unwrap()]),
         Vec::<String>::new()

@@ -377,6 +377,9 @@ impl Manager {
                         tracing::error!("shutdown: {e}");
                     }
                 }
+                // The runtime root the daemon created, once no VM is left in it (a sandbox
+                // whose clean-up failed keeps its directory, and so the root).
+                let _ = std::fs::remove_dir(self.inner.config.vm_runtime_root());
             }
             crate::config::ShutdownPolicy::Leave => {
                 for entry in entries {
