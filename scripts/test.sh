@@ -11,11 +11,43 @@
 #
 # Tests that need root are named `..._needs_root`: as root (CI) they run; otherwise they are
 # skipped with `--skip needs_root` and listed. `#[ignore]`d tests are listed with their reasons.
+#
+# A clone without target/ (CI's clean clone) builds into a persistent cache instead:
+# target/ and fuzz/target/ become links to ${XDG_CACHE_HOME:-~/.cache}/bulkhead/target/{main,fuzz},
+# so the dependencies are not rebuilt on every clone (only the workspace's own crates, whose
+# sources are new to cargo). BULKHEAD_TARGET_CACHE=DIR picks another cache directory,
+# BULKHEAD_TARGET_CACHE=none turns this off; the cache is emptied when it has grown past
+# BULKHEAD_TARGET_CACHE_GIB (default 40). Runs that share a cache take turns (a lock), so that
+# one clone's tests never run another clone's binaries. An existing target/ is left alone.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 log() { printf '==> %s\n' "$*" >&2; }
+
+# The persistent target directory (see above).
+use_target_cache() {
+    local cache="${BULKHEAD_TARGET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/bulkhead/target}"
+    [[ "$cache" != none ]] || return 0
+    if [[ ! -e target && ! -L target ]]; then
+        mkdir -p "$cache/main" "$cache/fuzz"
+        ln -s "$cache/main" target
+        [[ -e fuzz/target || -L fuzz/target ]] || ln -s "$cache/fuzz" fuzz/target
+        log "target/ -> $cache/main (a persistent cache; BULKHEAD_TARGET_CACHE=none turns it off)"
+    fi
+    [[ -L target && "$(readlink target)" == "$cache/main" ]] || return 0
+    exec 9>"$cache/.lock"
+    flock -n 9 || { log "waiting for another scripts/test.sh that uses $cache"; flock 9; }
+    local gib used
+    gib="${BULKHEAD_TARGET_CACHE_GIB:-40}"
+    used="$(du -s --block-size=1G "$cache" | cut -f1)"
+    if ((used > gib)); then
+        log "the target cache holds $used GiB (> $gib): emptying it"
+        rm -rf "${cache:?}/main" "${cache:?}/fuzz"
+        mkdir -p "$cache/main" "$cache/fuzz"
+    fi
+}
+use_target_cache
 
 TIMES="$(mktemp)"
 TEST_LOG="$(mktemp)"

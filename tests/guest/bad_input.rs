@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Output;
 
-use bulkhead_tests::{artifacts, describe, run, scratch_dir};
+use bulkhead_tests::{artifacts, copy_for_any_user, describe, run, scratch_dir};
 
 /// Runs bulkhead-vmm with `args` plus serial/debug-port files in `dir`; asserts the common
 /// failure contract and returns stderr.
@@ -115,8 +115,9 @@ fn more_vcpus_than_allowed_are_refused() {
 #[test]
 fn an_unreadable_kvm_device_is_a_clear_error() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = scratch_dir();
-    // Everything but the device node is accessible to an unprivileged user.
+    // Everything but the device node is accessible to an unprivileged user: the files and a copy
+    // of the VMM in the system temp dir (target/ may be under root's home).
+    let (dir, vmm_copy) = copy_for_any_user(&artifacts().vmm);
     std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o777)).unwrap();
     let fake_kernel = dir.path().join("vmlinux");
     std::fs::write(
@@ -129,7 +130,7 @@ fn an_unreadable_kvm_device_is_a_clear_error() {
     std::fs::write(&node, b"").unwrap();
     std::fs::set_permissions(&node, PermissionsExt::from_mode(0o000)).unwrap();
     let serial = dir.path().join("serial.txt");
-    let vmm = artifacts().vmm.to_str().unwrap();
+    let vmm = vmm_copy.to_str().unwrap();
     let args = [
         "--kernel",
         fake_kernel.to_str().unwrap(),

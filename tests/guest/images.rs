@@ -14,7 +14,9 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
-use bulkhead_tests::{artifacts, describe, in_vm_host, run_sh, sha256_hex, socket_dir};
+use bulkhead_tests::{
+    artifacts, copy_for_any_user, describe, in_vm_host, run_sh, sha256_hex, socket_dir,
+};
 use bulkhead_vmm::config::DiskConfig;
 
 /// A guest test that needs the Debian image (and a `mkfs.ext4` for scratch disks inside the test
@@ -250,7 +252,10 @@ image_test!(
 /// `bulkhead run ARGS -- true` as it fails before any VM starts (input checks come first).
 fn run_expecting_error(args: &[&str], uid: Option<u32>) -> String {
     let a = artifacts();
-    let mut cmd = Command::new(&a.cli);
+    // Another user runs a copy it can reach (target/ may be under root's home).
+    let copy = uid.map(|_| copy_for_any_user(&a.cli));
+    let cli = copy.as_ref().map_or(&a.cli, |(_, cli)| cli);
+    let mut cmd = Command::new(cli);
     cmd.arg("run")
         .args(args)
         .args(["--", "true"])

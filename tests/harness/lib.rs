@@ -184,6 +184,7 @@ fn inner_script(args: &[&str]) -> String {
     // counts (its `kernel=` lines: this test's, all) on the last line for `report_guest_boots`.
     format!(
         "export {INNER_ENV}=1 HOME='{home}' XDG_DATA_HOME='{}' RUST_BACKTRACE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin BULKHEAD_BOOT_LOG={BOOT_LOG}{passthrough}\n\
+         {}\
          cd '{}'\n\
          before=$(cat {BOOT_LOG} 2>/dev/null | wc -l)\n\
          '{}' {}\n\
@@ -194,6 +195,7 @@ fn inner_script(args: &[&str]) -> String {
          echo \"{BOOTS_MARKER} $boots $total\"\n\
          exit $rc\n",
         data.display(),
+        target_link_line(),
         workspace_root().display(),
         exe.display(),
         args.iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" "),
@@ -268,17 +270,32 @@ pub fn workspace_root() -> PathBuf {
         .to_owned()
 }
 
-/// The cargo target directory this test binary was built into.
+/// The cargo target directory this test binary was built into, with links resolved:
+/// `scripts/test.sh` may make `target/` a link into a persistent cache, and the test host must
+/// share the directory itself.
 pub fn target_dir() -> PathBuf {
-    if let Some(dir) = env::var_os("CARGO_TARGET_DIR") {
-        let dir = PathBuf::from(dir);
-        return if dir.is_absolute() {
-            dir
-        } else {
-            workspace_root().join(dir)
-        };
+    let dir = match env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if Path::new(&dir).is_absolute() => PathBuf::from(dir),
+        Some(dir) => workspace_root().join(dir),
+        None => workspace_root().join("target"),
+    };
+    std::fs::canonicalize(&dir).unwrap_or(dir)
+}
+
+/// The line of the inner script that recreates `<workspace>/target` inside the test host when it
+/// is a link here (see [`target_dir`]): paths that cargo compiled into the tests
+/// (`CARGO_BIN_EXE_*`) go through it. Empty when `target/` is a plain directory.
+fn target_link_line() -> String {
+    let link = workspace_root().join("target");
+    if !link.is_symlink() {
+        return String::new();
     }
-    workspace_root().join("target")
+    format!(
+        "[ -e '{0}' ] || {{ mkdir -p '{1}' && ln -s '{2}' '{0}'; }}\n",
+        link.display(),
+        workspace_root().display(),
+        target_dir().display()
+    )
 }
 
 /// Directory holding the binaries built with the same profile as this test
@@ -310,6 +327,23 @@ pub fn socket_dir() -> tempfile::TempDir {
         .prefix("bulkhead-sock-")
         .tempdir()
         .expect("create socket dir")
+}
+
+/// A copy of the program `bin` in a fresh directory of the system temp dir that every user may
+/// enter, for tests that run it as an unprivileged user: `target/` may live under root's own
+/// home (`scripts/test.sh`'s target cache), which no other user can enter. Returns the directory
+/// (removed when dropped) and the copy.
+///
+/// # Panics
+/// When the directory or the copy cannot be made.
+pub fn copy_for_any_user(bin: &Path) -> (tempfile::TempDir, PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = socket_dir();
+    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755)).expect("chmod 755");
+    let name = bin.file_name().expect("a program's file name");
+    let copy = dir.path().join(name);
+    std::fs::copy(bin, &copy).unwrap_or_else(|e| panic!("copying {}: {e}", bin.display()));
+    (dir, copy)
 }
 
 /// Longest a single program run by [`run`] may take before the test fails (a hung guest must fail
