@@ -40,6 +40,23 @@ pub enum Error {
         /// The KVM error.
         source: kvm_ioctls::Error,
     },
+    /// KVM_SET_USER_MEMORY_REGION refused a slot with EINVAL. Every slot bulkhead registers is
+    /// page-aligned and apart from the others, so what KVM refuses is its end: beyond the highest
+    /// guest frame the host's KVM can map (on x86, the guest-physical address width of the
+    /// host, CPUID 0x80000008; nested hosts often offer less than bare metal).
+    #[error(
+        "cannot register {mib} MiB of guest memory: KVM refuses guest RAM that ends at GPA {end:#x} \
+         (KVM_SET_USER_MEMORY_REGION: {source}), beyond the guest-physical address space this host \
+         offers; ask for less memory"
+    )]
+    BeyondAddressSpace {
+        /// Guest RAM asked for, MiB.
+        mib: u64,
+        /// First GPA after the refused slot.
+        end: u64,
+        /// The KVM error (EINVAL).
+        source: kvm_ioctls::Error,
+    },
 }
 
 /// Size of a huge page (a PMD mapping on x86_64 and on aarch64 with 4 KiB pages), bytes.
@@ -170,11 +187,21 @@ pub fn register_guest_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), Err
         };
         // SAFETY: the host mapping [userspace_addr, +memory_size) belongs to `mem`, which the VMM
         // keeps alive for as long as the VM exists (the Vmm owns both and drops the VM first).
-        unsafe { vm.set_user_memory_region(desc) }.map_err(|source| Error::Register {
-            slot,
-            gpa,
-            size,
-            source,
+        unsafe { vm.set_user_memory_region(desc) }.map_err(|source| {
+            if source.errno() == libc::EINVAL {
+                Error::BeyondAddressSpace {
+                    mib: mem.iter().map(|r| r.len()).sum::<u64>() >> 20,
+                    end: gpa.saturating_add(size),
+                    source,
+                }
+            } else {
+                Error::Register {
+                    slot,
+                    gpa,
+                    size,
+                    source,
+                }
+            }
         })?;
     }
     Ok(())
@@ -255,6 +282,27 @@ mod tests {
             fenced.iter().all(|&(a, l)| free_at(a, l)),
             "dropping unmaps them"
         );
+    }
+
+    #[test]
+    fn guest_ram_beyond_the_host_address_space_is_a_clear_error() {
+        // Arrange: 2 MiB at GPA 2^56, above the guest-physical space of any KVM (at most 52
+        // bits on x86_64 and aarch64); any KVM serves, kvm_pvm included.
+        let kvm = kvm_ioctls::Kvm::new().expect("these tests need /dev/kvm read-write");
+        let vm = kvm.create_vm().unwrap();
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(1 << 56), 2 << 20)]).unwrap();
+
+        // Act
+        let err = register_guest_memory(&vm, &mem).unwrap_err();
+
+        // Assert
+        let text = err.to_string();
+        assert!(
+            matches!(err, Error::BeyondAddressSpace { mib: 2, .. }),
+            "{text}"
+        );
+        assert!(text.contains("ends at GPA 0x100000000200000"), "{text}");
+        assert!(text.contains("ask for less memory"), "{text}");
     }
 
     #[test]
