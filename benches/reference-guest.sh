@@ -4,7 +4,7 @@
 # each (the measure behind issue 8's 1602 ms Firecracker median; results and discussion:
 # benches/results/README.md, parts 6 and 7).
 #
-#   benches/reference-guest.sh [ROUNDS] [-- bulkhead-testhost run options, e.g. --mttcg]
+#   benches/reference-guest.sh [ROUNDS] [-- bulkhead-testhost run options, e.g. --single-tcg]
 #
 # Reference guest: a tinyconfig kernel with the options of benches/reference-guest.config (the
 # ~45 options ENVIRONMENT.md lists, with the dependencies they need to survive olddefconfig, plus

@@ -1,18 +1,18 @@
 //! Measures boot-to-ready and the per-command round trip of the test host.
 //!
-//! `cargo run -p bulkhead-testhost --example overhead [-- --mttcg]`
+//! `cargo run -p bulkhead-testhost --example overhead [-- --single-tcg]`
 
 use std::time::{Duration, Instant};
 
 use bulkhead_testhost::{TcgThreads, TestHost, TestHostConfig};
 
 fn main() -> Result<(), bulkhead_testhost::Error> {
-    let mttcg = std::env::args().any(|a| a == "--mttcg");
+    let single = std::env::args().any(|a| a == "--single-tcg");
     let host = TestHost::start(TestHostConfig {
-        tcg_threads: if mttcg {
-            TcgThreads::Multi
-        } else {
+        tcg_threads: if single {
             TcgThreads::Single
+        } else {
+            TcgThreads::Multi
         },
         ..TestHostConfig::default()
     })?;

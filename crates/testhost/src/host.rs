@@ -106,7 +106,7 @@ pub struct TestHostConfig {
     pub boot_timeout: Duration,
     /// Boot attempts before [`TestHost::start`] gives up. Default 2.
     pub boot_attempts: u32,
-    /// How QEMU runs the vCPUs. Default [`TcgThreads::Single`].
+    /// How QEMU runs the vCPUs. Default [`TcgThreads::Multi`].
     pub tcg_threads: TcgThreads,
     /// QEMU `-cpu` value. Default [`DEFAULT_CPU_MODEL`] (`max`).
     pub cpu_model: String,

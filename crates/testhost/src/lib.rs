@@ -65,12 +65,15 @@
 //!
 //! # Flakiness
 //!
-//! With multi-threaded TCG (`-accel tcg,thread=multi`) about 1 boot in 30 livelocked on this 2-core build
-//! machine under load: CPU 0 spinning in `stop_machine` (`multi_cpu_stop`), CPU 1 re-entering `asm_exc_int3`
-//! (kernel text patching racing TCG's cross-vCPU code invalidation), reported by the kernel as
-//! "watchdog: BUG: soft lockup". Hence the defaults: single-threaded TCG ([`TcgThreads::Single`], which
-//! boots as fast — measured 5.7-6.1 s vs 5.6-7.0 s), `softlockup_panic=1` so that a livelock ends QEMU instead
-//! of hanging, and a second boot attempt ([`TestHostConfig::boot_attempts`]).
+//! Nested guests stall (RCU stalls, a vCPU that never takes its interrupt) or crash ("Fatal exception in
+//! interrupt") far more often with single-threaded TCG than with multi-threaded TCG: under a guest-only
+//! stress init, most boots failed with one TCG thread against few with one thread per vCPU
+//! (`benches/testhost-stress.sh`, results in `benches/results/README.md`). Multi-threaded TCG
+//! (`-accel tcg,thread=multi`) has its own rare failure, in the test host's boot: about 1 boot in 30
+//! livelocked on this 2-core build machine under load (CPU 0 spinning in `stop_machine`, CPU 1 re-entering
+//! `asm_exc_int3`: kernel text patching racing TCG's cross-vCPU code invalidation; "watchdog: BUG: soft
+//! lockup"). Hence the defaults: multi-threaded TCG ([`TcgThreads::Multi`]), `softlockup_panic=1` so that a
+//! livelock ends QEMU instead of hanging, and a second boot attempt ([`TestHostConfig::boot_attempts`]).
 //!
 //! # Performance (measured on the 2-core build machine)
 //!

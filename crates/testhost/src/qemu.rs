@@ -45,11 +45,11 @@ pub enum QemuError {
 /// How TCG maps vCPUs to host threads (QEMU `-accel tcg,thread=...`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TcgThreads {
-    /// One host thread runs all vCPUs round-robin. No host parallelism, but immune to the rare
-    /// multi-threaded-TCG livelock measured here (see "Flakiness" in the crate docs).
-    #[default]
+    /// One host thread runs all vCPUs round-robin. No host parallelism, and nested guests under
+    /// stress stall or crash far more often (see "Flakiness" in the crate docs).
     Single,
-    /// One host thread per vCPU (MTTCG): vCPUs run in parallel.
+    /// One host thread per vCPU (MTTCG): vCPUs run in parallel. The default.
+    #[default]
     Multi,
 }
 
