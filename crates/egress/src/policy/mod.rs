@@ -443,6 +443,17 @@ impl Policy {
         secret || allow || deny
     }
 
+    /// True when some host may be intercepted: the policy has a secret, or a rule with methods
+    /// or paths. Without either, no connection needs the host's trust roots.
+    pub fn intercepts_some_host(&self) -> bool {
+        !self.secrets.is_empty()
+            || self
+                .allow
+                .iter()
+                .chain(&self.deny)
+                .any(HostRule::restricts_requests)
+    }
+
     /// The secrets whose hosts cover `name:port`.
     pub fn secrets_for<'a>(
         &'a self,

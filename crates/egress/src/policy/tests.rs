@@ -458,6 +458,8 @@ fn method_path_rules_and_secrets_force_interception() {
     assert!(!policy.intercepts(&name("plain.test"), 443));
     assert_eq!(policy.secrets_for(&name("api.test"), 443).count(), 1);
     assert_eq!(policy.secrets_for(&name("plain.test"), 443).count(), 0);
+    assert!(policy.intercepts_some_host());
+    assert!(!compile(&allowlist(&["plain.test"])).intercepts_some_host());
 }
 
 #[test]

@@ -193,9 +193,14 @@ impl EgressProxy {
         let roots = match config.upstream_roots {
             Some(roots) => roots,
             // A host without trust roots can still splice and forward plain HTTP; only
-            // intercepted hosts need them, and fail (502, logged) without.
+            // intercepted hosts need them, and fail (502, logged) without. A policy that
+            // intercepts nothing is not warned about.
             None => native_roots().unwrap_or_else(|e| {
-                tracing::warn!("{e}: intercepted hosts will fail to verify (502)");
+                if config.policy.intercepts_some_host() {
+                    tracing::warn!("{e}: intercepted hosts will fail to verify (502)");
+                } else {
+                    tracing::debug!("{e} (no host of this policy is intercepted)");
+                }
                 rustls::RootCertStore::empty()
             }),
         };
