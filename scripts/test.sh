@@ -87,7 +87,10 @@ summary() {
             if (match($0, /\([0-9]+ crashed\)/)) crashed += substr($0, RSTART + 1, RLENGTH - 10) + 0
         }
         /^RETRY: a nested guest crashed/ { crash_retry++; name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1 }
-        /^RETRY: the test host failed/ { if ($0 ~ /timed out/) hang_retry++; else host_retry++ }
+        /^RETRY: the test host failed/ {
+            if ($0 ~ /timed out/) hang_retry++; else host_retry++
+            name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1
+        }
         /^test .* \.\.\. ok$/ { passed[$2] = 1 }
         END {
             printf "  guests booted: %d; guests that crashed or showed a kernel panic: %d\n", boots, crashed

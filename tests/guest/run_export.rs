@@ -59,12 +59,18 @@ guest_test!(
 
 #[test]
 fn an_export_without_a_clone_workspace_is_refused_before_booting() {
-    // Arrange
+    // Arrange: the test's kernel and image, so that nothing depends on what this host has
+    // installed in its data directory
     let a = artifacts();
 
     // Act
     let out = Command::new(&a.cli)
-        .args(["run", "--export-tar", "/tmp/x.tar", "--", "true"])
+        .arg("run")
+        .arg("--kernel")
+        .arg(&a.vmlinux)
+        .arg("--initrd")
+        .arg(&a.agent_initrd)
+        .args(["--export-tar", "/tmp/x.tar", "--", "true"])
         .output()
         .expect("run bulkhead");
 

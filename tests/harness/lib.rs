@@ -68,16 +68,16 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
         return None;
     }
     let run = || {
-        run_in_test_host(&inner_script(args))
+        run_in_test_host(&inner_script(args), args)
             .unwrap_or_else(|e| panic!("running {args:?} in the test host failed: {e}"))
     };
     let mut out = run();
     if out.status != 0 && nested_guest_crashed(&out) {
-        eprintln!(
+        log_uncaptured(&format!(
             "RETRY: a nested guest crashed under {args:?} (known test-host problem, see \
-             docs/testhost.md, \"Known problems\"); running it once more:\n{}",
+             docs/testhost.md, \"Known problems\"); running it once more:\n{}\n",
             String::from_utf8_lossy(&out.stdout)
-        );
+        ));
         out = run();
     }
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -122,7 +122,6 @@ const BOOTS_MARKER: &str = "bulkhead-harness: guest boots:";
 /// the evidence that one test-host boot serves many guest boots, and the counts
 /// `scripts/test.sh` sums up.
 fn report_guest_boots(args: &[&str], stdout: &str) {
-    use std::io::Write;
     let Some(counts) = stdout
         .lines()
         .rev()
@@ -145,7 +144,14 @@ fn report_guest_boots(args: &[&str], stdout: &str) {
         "guest boots: {this_run} in {name}{crashes}; {total} so far in test host #{}\n",
         TEST_HOSTS_STARTED.load(std::sync::atomic::Ordering::Relaxed)
     );
-    let _ = std::io::stderr().write_all(line.as_bytes());
+    log_uncaptured(&line);
+}
+
+/// Writes `text` to stderr past libtest's output capture (which `eprintln!` goes through, and
+/// which drops a passing test's output), so the test log keeps it for `scripts/test.sh`'s counts.
+fn log_uncaptured(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(text.as_bytes());
 }
 
 /// Test hosts booted by this process (a dead one is replaced by a new one).
@@ -207,11 +213,13 @@ fn inner_script(args: &[&str]) -> String {
 /// [`INNER_TIMEOUT`] (seen rarely: a nested guest stalled inside the emulated test host, under
 /// multi-threaded TCG), the command runs once more in a freshly booted test host and the first
 /// failure is printed. A test that fails, or hangs twice, still fails.
-fn run_in_test_host(script: &str) -> Result<CommandOutput, TestHostError> {
+fn run_in_test_host(script: &str, args: &[&str]) -> Result<CommandOutput, TestHostError> {
     let host = test_host(None);
     match host.run(script, INNER_TIMEOUT) {
         Err(e) if host_died(&e) || matches!(e, TestHostError::CommandTimedOut { .. }) => {
-            eprintln!("RETRY: the test host failed under this test ({e}); retrying in a new one");
+            log_uncaptured(&format!(
+                "RETRY: the test host failed under {args:?} ({e}); retrying in a new one\n"
+            ));
             test_host(Some(&host)).run(script, INNER_TIMEOUT)
         }
         result => result,
