@@ -279,7 +279,10 @@ fn a_client_that_disconnects_mid_stream_gets_its_command_killed() {
         .block_on(client.exec(&sb.id, &ExecSpec::new(["sh", "-c", &script])))
         .unwrap();
     stream_rt.block_on(stream.next_event()).unwrap();
-    let running = common::processes_with_arg(&marker);
+    // "go" arrives before the shell has exec'd `sleep`: wait for the sleep itself.
+    let running = wait_until(Duration::from_secs(10), || {
+        common::processes_with_arg(&marker).len() == 1
+    });
 
     // Act
     drop(stream);
@@ -289,7 +292,7 @@ fn a_client_that_disconnects_mid_stream_gets_its_command_killed() {
     });
 
     // Assert
-    assert_eq!(running.len(), 1, "the command was running");
+    assert!(running, "the command was running");
     assert!(killed, "the command survived the client's disconnect");
     assert!(rt
         .block_on(client.exec_collect(&sb.id, &ExecSpec::new(["true"])))
