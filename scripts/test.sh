@@ -86,11 +86,9 @@ summary() {
             boots += $3
             if (match($0, /\([0-9]+ crashed\)/)) crashed += substr($0, RSTART + 1, RLENGTH - 10) + 0
         }
-        /^RETRY: a nested guest crashed/ { crash_retry++; name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1 }
-        /^RETRY: the test host failed/ {
-            if ($0 ~ /timed out/) hang_retry++; else host_retry++
-            name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1
-        }
+        /^RETRY: / { name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1 }
+        /^RETRY: a nested guest crashed/ { crash_retry++ }
+        /^RETRY: the test host failed/ { if ($0 ~ /timed out/) hang_retry++; else host_retry++ }
         /^test .* \.\.\. ok$/ { passed[$2] = 1 }
         END {
             printf "  guests booted: %d; guests that crashed or showed a kernel panic: %d\n", boots, crashed

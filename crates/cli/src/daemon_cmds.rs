@@ -484,17 +484,14 @@ pub fn rm(args: RmArgs) -> ExitCode {
         let client = args.daemon.client();
         let mut failed = false;
         for id in &args.ids {
-            let found = match client.get(id).await {
-                Ok(info) => Some(info.id),
-                Err(bulkhead_client::Error::Api { status: 404, .. }) if args.force => None,
-                Err(e) => {
-                    eprintln!("bulkhead: error: {id}: {e}");
-                    failed = true;
-                    None
-                }
+            let removed = match client.get(id).await {
+                Ok(info) => client.delete(&info.id).await,
+                Err(e) => Err(e),
             };
-            if let Some(full) = found {
-                if let Err(e) = client.delete(&full).await {
+            match removed {
+                Ok(()) => {}
+                Err(bulkhead_client::Error::Api { status: 404, .. }) if args.force => {}
+                Err(e) => {
                     eprintln!("bulkhead: error: {id}: {e}");
                     failed = true;
                 }
