@@ -22,9 +22,11 @@ use crate::devices::legacy::panic_watch::{GuestPanic, PanicWatch};
 use crate::devices::legacy::serial;
 use crate::devices::virtio::block::{self, Block, BlockConfig};
 use crate::devices::virtio::fs::{self, Fs, FsConfig};
+use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::vsock::{self, Vsock};
 use crate::devices::virtio::VirtioDevice;
-use crate::vmm::{BootTimeline, EventLoop, Vmm};
+use crate::snapshot::LegacyHandles;
+use crate::vmm::{BootTimeline, EventLoop, Persist, Vmm};
 use crate::vstate::kvm::{self, KvmContext, KVM_PATH};
 use crate::vstate::vcpu::{Vcpu, VcpuShared};
 use crate::vstate::{memory, vm};
@@ -142,81 +144,202 @@ pub fn build_with_kvm(config: &VmConfig, kvm_path: &Path) -> Result<Vmm, Error> 
     let guest_memory = memory::create_guest_memory(config.memory_mib, arch::arch_memory_regions)?;
     let vm = vm::Vm::new(&kvm, &guest_memory)?;
     timeline.vm_created = Some(Instant::now());
-    let step = Instant::now();
-    // vCPUs and the interrupt controller exist before any device wires an irqfd (arm64 KVM
-    // refuses irqfds until its GIC, which needs every vCPU, is initialised).
-    let vcpu_fds = create_vcpus(&vm, config.vcpus)?;
-    arch::setup_irqchip(vm.fd(), &vcpu_fds)?;
-    tracing::debug!(ms = ms_since(step), vcpus = config.vcpus, "vCPUs created");
-    let step = Instant::now();
-
-    let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
-    let mut event_manager = EventLoop::new().map_err(|e| Error::EventLoop(e.to_string()))?;
-    let mut virtio = VirtioContext {
-        vm: &vm,
-        mem: &guest_memory,
-        mmio: Bus::default(),
-        devices: MmioDeviceManager::default(),
-        slots: Vec::new(),
-        event_manager: &mut event_manager,
-    };
-    if let Some(vsock) = &config.vsock {
-        virtio.attach(Vsock::new(vsock.guest_cid, &vsock.uds_path)?)?;
-    }
-    for disk in &config.disks {
-        virtio.attach(Block::new(block_config(disk))?)?;
-    }
-    for share in &config.shares {
-        virtio.attach(Fs::new(fs_config(share))?)?;
-    }
-    let VirtioContext {
-        mut mmio,
-        devices,
-        slots,
-        ..
-    } = virtio;
-    tracing::debug!(ms = ms_since(step), "virtio devices created");
+    let mut parts = VmParts::new(config, kvm, vm, guest_memory, timeline)?;
     let step = Instant::now();
     // x86_64 guests learn of virtio-mmio devices from the command line, arm64 ones from the
     // device tree (where the interrupt is a GIC SPI, not a Linux IRQ number).
     let device_params = if arch::VIRTIO_MMIO_ON_CMDLINE {
-        devices.cmdline_params()
+        parts.devices.cmdline_params()
     } else {
         &[]
     };
-    let boot_state = load_payload(config, &guest_memory, device_params, &slots)?;
+    let boot_state = load_payload(config, &parts.mem, device_params, &parts.slots)?;
     tracing::debug!(
         ms = ms_since(step),
         "kernel, initramfs and boot structures loaded"
     );
     let step = Instant::now();
-    arch::setup_vcpus(kvm.kvm(), vm.fd(), &vcpu_fds, &boot_state, &guest_memory)?;
+    arch::setup_vcpus(
+        parts.kvm.kvm(),
+        parts.vm.fd(),
+        &parts.vcpu_fds,
+        &boot_state,
+        &parts.mem,
+    )?;
     tracing::debug!(
         ms = ms_since(step),
         vcpus = config.vcpus,
         "vCPUs configured"
     );
-    timeline.payload_loaded = Some(Instant::now());
+    parts.timeline.payload_loaded = Some(Instant::now());
+    parts.finish(false)
+}
 
-    let legacy = arch::legacy_devices(config, &vm, &mut mmio)?;
-    let pio = Arc::new(legacy.pio);
-    let mmio = Arc::new(mmio);
-    let vcpus = vcpu_fds
-        .into_iter()
-        .enumerate()
-        .map(|(id, fd)| Vcpu::new(fd, id as u8, pio.clone(), mmio.clone(), shared.clone()))
-        .collect();
-    Ok(Vmm {
-        vcpus,
-        shared,
-        vm,
-        guest_memory,
-        reset_evt: legacy.reset_evt,
-        debug_first_write: legacy.debug_first_write,
-        guest_panic: legacy.guest_panic,
-        timeline,
-        event_manager,
+/// A VM being built, by a boot ([`build_with_kvm`]) or a restore ([`crate::snapshot`]): KVM, the
+/// VM with its guest memory, the vCPUs (created, not yet configured) and the virtio devices on
+/// their MMIO bus and in the event loop.
+pub(crate) struct VmParts {
+    config: VmConfig,
+    pub(crate) kvm: KvmContext,
+    pub(crate) vm: vm::Vm,
+    pub(crate) mem: GuestMemoryMmap,
+    pub(crate) vcpu_fds: Vec<VcpuFd>,
+    shared: Arc<VcpuShared>,
+    event_manager: EventLoop,
+    mmio: Bus,
+    pub(crate) devices: MmioDeviceManager,
+    pub(crate) slots: Vec<MmioSlot>,
+    pub(crate) timeline: BootTimeline,
+}
+
+impl VmParts {
+    /// Creates the vCPUs and the interrupt controller, then the virtio devices of `config` in
+    /// their fixed order (vsock, disks, shares), each behind its transport and in the event
+    /// loop.
+    ///
+    /// # Errors
+    /// [`Error::CreateVcpu`], [`Error::Arch`], [`Error::EventFd`], [`Error::EventLoop`] and the
+    /// devices' errors.
+    pub(crate) fn new(
+        config: &VmConfig,
+        kvm: KvmContext,
+        vm: vm::Vm,
+        mem: GuestMemoryMmap,
+        timeline: BootTimeline,
+    ) -> Result<VmParts, Error> {
+        let step = Instant::now();
+        // vCPUs and the interrupt controller exist before any device wires an irqfd (arm64 KVM
+        // refuses irqfds until its GIC, which needs every vCPU, is initialised).
+        let vcpu_fds = create_vcpus(&vm, config.vcpus)?;
+        arch::setup_irqchip(vm.fd(), &vcpu_fds)?;
+        tracing::debug!(ms = ms_since(step), vcpus = config.vcpus, "vCPUs created");
+        let step = Instant::now();
+        let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
+        let mut event_manager = EventLoop::new().map_err(|e| Error::EventLoop(e.to_string()))?;
+        let mut virtio = VirtioContext {
+            vm: &vm,
+            mem: &mem,
+            mmio: Bus::default(),
+            devices: MmioDeviceManager::default(),
+            slots: Vec::new(),
+            event_manager: &mut event_manager,
+        };
+        if let Some(vsock) = &config.vsock {
+            virtio.attach(Vsock::new(vsock.guest_cid, &vsock.uds_path)?)?;
+        }
+        for disk in &config.disks {
+            virtio.attach(Block::new(block_config(disk))?)?;
+        }
+        for share in &config.shares {
+            virtio.attach(Fs::new(fs_config(share))?)?;
+        }
+        let VirtioContext {
+            mmio,
+            devices,
+            slots,
+            ..
+        } = virtio;
+        tracing::debug!(ms = ms_since(step), "virtio devices created");
+        Ok(VmParts {
+            config: config.clone(),
+            kvm,
+            vm,
+            mem,
+            vcpu_fds,
+            shared,
+            event_manager,
+            mmio,
+            devices,
+            slots,
+            timeline,
+        })
+    }
+
+    /// Every virtio device's transport, in registration order.
+    pub(crate) fn transports(&self) -> &[Arc<Mutex<MmioTransport>>] {
+        self.devices.transports()
+    }
+
+    /// The vCPUs' file descriptors, by index.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn vcpu_fds(&self) -> &[VcpuFd] {
+        &self.vcpu_fds
+    }
+
+    /// Adds the legacy devices and makes the [`Vmm`]; `restored` marks its vCPUs as restored
+    /// from a snapshot (see [`Vcpu::mark_restored`]).
+    ///
+    /// # Errors
+    /// The legacy devices' errors (serial and debug-port files are created here, last).
+    pub(crate) fn finish(self, restored: bool) -> Result<Vmm, Error> {
+        let VmParts {
+            config,
+            kvm,
+            vm,
+            mem,
+            vcpu_fds,
+            shared,
+            event_manager,
+            mut mmio,
+            devices,
+            timeline,
+            ..
+        } = self;
+        let msrs = Arc::new(saveable_msrs(&kvm));
+        let legacy = arch::legacy_devices(&config, &vm, &mut mmio)?;
+        let pio = Arc::new(legacy.pio);
+        let mmio = Arc::new(mmio);
+        let vcpus = vcpu_fds
+            .into_iter()
+            .enumerate()
+            .map(|(id, fd)| {
+                let mut vcpu = Vcpu::new(fd, id as u8, pio.clone(), mmio.clone(), shared.clone());
+                if restored {
+                    vcpu.mark_restored();
+                }
+                vcpu
+            })
+            .collect();
+        let persist = Persist {
+            transports: devices.transports().to_vec(),
+            legacy: LegacyHandles {
+                serial: legacy.serial,
+                i8042: legacy.i8042,
+            },
+            msrs,
+            config,
+        };
+        Ok(Vmm {
+            vcpus,
+            shared,
+            vm,
+            guest_memory: mem,
+            reset_evt: legacy.reset_evt,
+            debug_first_write: legacy.debug_first_write,
+            guest_panic: legacy.guest_panic,
+            timeline,
+            event_manager,
+            persist,
+            control: None,
+        })
+    }
+}
+
+/// The MSRs a snapshot saves (x86_64: KVM's saveable list); empty when KVM cannot list them,
+/// which only a snapshot would notice (its restore then fails on the missing MSRs' defaults
+/// being wrong, never silently: see [`crate::arch::x86_64::persist`]).
+#[cfg(target_arch = "x86_64")]
+fn saveable_msrs(kvm: &KvmContext) -> Vec<u32> {
+    crate::arch::x86_64::persist::saveable_msrs(kvm.kvm()).unwrap_or_else(|e| {
+        tracing::warn!("cannot list the MSRs to snapshot: {e}");
+        Vec::new()
     })
+}
+
+/// No MSRs outside x86_64.
+#[cfg(not(target_arch = "x86_64"))]
+fn saveable_msrs(_kvm: &KvmContext) -> Vec<u32> {
+    Vec::new()
 }
 
 /// Milliseconds since `start`, for the build steps' debug log.
@@ -341,6 +464,10 @@ pub(crate) struct LegacyDevices {
     pub(crate) debug_first_write: Arc<OnceLock<Instant>>,
     /// The reason of a kernel panic the guest printed on its console.
     pub(crate) guest_panic: GuestPanic,
+    /// The serial console (also on the bus), for saving and restoring its registers.
+    pub(crate) serial: Arc<Mutex<crate::devices::legacy::serial::SerialDevice>>,
+    /// The i8042 (also on the bus; x86_64 only), for saving and restoring its registers.
+    pub(crate) i8042: Option<Arc<Mutex<crate::devices::legacy::i8042::I8042>>>,
 }
 
 /// Where the serial console's output goes, watched for a kernel panic (see [`PanicWatch`]).

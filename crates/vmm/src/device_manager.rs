@@ -51,6 +51,7 @@ pub struct MmioDeviceManager {
     next_base: u64,
     next_irq: u32,
     cmdline_params: Vec<String>,
+    transports: Vec<Arc<Mutex<MmioTransport>>>,
 }
 
 impl Default for MmioDeviceManager {
@@ -59,6 +60,7 @@ impl Default for MmioDeviceManager {
             next_base: MMIO_BASE,
             next_irq: IRQ_BASE,
             cmdline_params: Vec::new(),
+            transports: Vec::new(),
         }
     }
 }
@@ -90,7 +92,9 @@ impl MmioDeviceManager {
         for (index, evt) in transport.queue_evts().iter().enumerate() {
             vm.register_mmio_ioevent(evt, slot.base + NOTIFY_REG_OFFSET, index as u32)?;
         }
-        bus.insert(slot.base, MMIO_DEVICE_SIZE, Arc::new(Mutex::new(transport)))?;
+        let transport = Arc::new(Mutex::new(transport));
+        bus.insert(slot.base, MMIO_DEVICE_SIZE, transport.clone())?;
+        self.transports.push(transport);
         self.cmdline_params
             .push(cmdline_device_param(slot.base, MMIO_DEVICE_SIZE, slot.irq));
         self.next_base += MMIO_DEVICE_SIZE;
@@ -101,5 +105,10 @@ impl MmioDeviceManager {
     /// The kernel command-line parameters announcing every registered device.
     pub fn cmdline_params(&self) -> &[String] {
         &self.cmdline_params
+    }
+
+    /// Every registered device's transport, in registration order (for snapshots).
+    pub fn transports(&self) -> &[Arc<Mutex<MmioTransport>>] {
+        &self.transports
     }
 }

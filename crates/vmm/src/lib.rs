@@ -14,18 +14,22 @@
 //! - [`exit_report`]: how the VM ended, in the VMM's words (`bulkhead-vmm --exit-file`).
 //! - [`seccomp`]: the seccomp-BPF allowlist of each kind of VMM thread.
 //! - [`jail`]: namespaces, a private root and dropped privileges for the VMM process.
+//! - [`snapshot`]: pausing a VM, saving it to a directory and restoring it (many times: clones
+//!   share the saved memory copy-on-write); [`control`]: the socket that asks for it.
 #![deny(missing_docs)]
 
 pub mod arch;
 pub mod boot;
 pub mod builder;
 pub mod config;
+pub mod control;
 pub mod device_manager;
 pub mod devices;
 pub mod exit_report;
 pub mod jail;
 pub mod limits;
 pub mod seccomp;
+pub mod snapshot;
 pub mod timings;
 pub mod vmm;
 pub mod vstate;

@@ -17,6 +17,11 @@
 //! With `--jail-uid U --jail-gid G --jail-root DIR` (as root) the VMM jails itself before it
 //! builds the VM (see `bulkhead_vmm::jail`): the process the caller started becomes a small
 //! supervisor that forwards SIGTERM/SIGINT/SIGHUP and exits as the jailed VMM did.
+//!
+//! Snapshots: `--api-sock PATH` serves the control socket (`bulkhead_vmm::control`: pause,
+//! resume, snapshot to a directory); `--restore DIR` starts the VM saved in DIR instead of booting
+//! a kernel, with this invocation's `--vsock-uds`, `--serial`, `--debugcon` and `--share`
+//! directories (same tags as saved).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -27,9 +32,11 @@ use bulkhead_vmm::config::{
     DiskConfig, SerialOutput, ShareConfig, VmConfig, VsockConfig, DEFAULT_GUEST_CID,
     DEFAULT_MEMORY_MIB, DEFAULT_VCPUS,
 };
+use bulkhead_vmm::control::ControlSocket;
 use bulkhead_vmm::exit_report::{ExitFile, ExitReport, EXIT_ERROR};
 use bulkhead_vmm::jail::{self, JailConfig, MountPlan};
 use bulkhead_vmm::seccomp::{SeccompMode, ThreadFilters, ThreadKind};
+use bulkhead_vmm::snapshot::{restore_with_kvm, RestoreConfig};
 use bulkhead_vmm::timings::{guest_ranges, ProcessClock, TimingsReport};
 use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
 use bulkhead_vmm::{ExitReason, StopHandle};
@@ -40,10 +47,17 @@ use clap::Parser;
 #[command(name = "bulkhead-vmm", version, about)]
 struct Args {
     /// VM configuration as a JSON file (instead of the flags below).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds", "disks", "shares"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds", "disks", "shares", "restore"])]
     config: Option<PathBuf>,
+    /// Restore the VM snapshotted into DIR (its `state` and `memory` files) instead of booting.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline", "disks", "jail_uid"])]
+    restore: Option<PathBuf>,
+    /// Serve the control socket at PATH: pause, resume, snapshot (JSON lines; see
+    /// `bulkhead_vmm::control`).
+    #[arg(long, value_name = "PATH")]
+    api_sock: Option<PathBuf>,
     /// Guest kernel: ELF vmlinux or bzImage.
-    #[arg(long, value_name = "PATH", required_unless_present = "config")]
+    #[arg(long, value_name = "PATH", required_unless_present_any = ["config", "restore"])]
     kernel: Option<PathBuf>,
     /// Initramfs: a cpio archive, uncompressed or compressed in a format the guest kernel unpacks
     /// (the default guest kernel: LZ4, gzip).
@@ -77,7 +91,7 @@ struct Args {
     /// it with `mount -t virtiofs TAG DIR`. Read-only is enforced by the VMM.
     #[arg(long = "share", value_name = "TAG=DIR[:ro]")]
     shares: Vec<ShareConfig>,
-    /// The guest's vsock context ID.
+    /// The guest's vsock context ID (a restore keeps the saved one).
     #[arg(long, value_name = "CID", default_value_t = DEFAULT_GUEST_CID, requires = "vsock_uds")]
     vsock_cid: u64,
     /// Write how the VM ended (the reason the VMM observed, its exit status, a blocked system
@@ -144,6 +158,19 @@ impl Launch {
 }
 
 impl Args {
+    /// What `--restore` takes from the command line.
+    fn restore_config(&self, dir: &Path) -> RestoreConfig {
+        RestoreConfig {
+            dir: dir.to_owned(),
+            vsock_uds: self.vsock_uds.clone(),
+            serial: self.serial.clone(),
+            debugcon: self.debugcon.clone(),
+            shares: self.shares.clone(),
+            memory_mib: None,
+            vcpus: None,
+        }
+    }
+
     fn into_config(self) -> Result<VmConfig, bulkhead_vmm::config::Error> {
         if let Some(path) = &self.config {
             return VmConfig::from_file(path);
@@ -236,6 +263,11 @@ impl BootLog {
         self.append(&format!("kernel={}", kernel.display()));
     }
 
+    /// Appends this restore (`pid=<pid> restore=<snapshot dir>`).
+    fn restore(&mut self, dir: &Path) {
+        self.append(&format!("restore={}", dir.display()));
+    }
+
     /// Appends that the guest crashed (`pid=<pid> crashed: <how>`).
     fn crash(&mut self, how: &str) {
         self.append(&format!("crashed: {how}"));
@@ -291,7 +323,13 @@ fn stop_on_signals(stop: StopHandle, seccomp: Arc<ThreadFilters>) -> Result<(), 
 }
 
 fn run(args: Args, launch: Launch) -> Result<ExitReport, String> {
-    let config = args.into_config().map_err(|e| e.to_string())?;
+    let restore = args.restore.as_deref().map(|dir| args.restore_config(dir));
+    let api_sock = args.api_sock.clone();
+    let config = match &restore {
+        // Only the launch checks below read it; the restore has its own.
+        Some(r) => VmConfig::new(r.dir.join("state")),
+        None => args.into_config().map_err(|e| e.to_string())?,
+    };
     let seccomp = Arc::new(ThreadFilters::new(launch.seccomp).map_err(|e| e.to_string())?);
     let kvm = host_kvm();
     if !kvm.can_boot_stock_kernel() && !launch.allow_pvm {
@@ -314,11 +352,20 @@ fn run(args: Args, launch: Launch) -> Result<ExitReport, String> {
         }
         None => None,
     };
-    let vmm = build_with_kvm(&config, &launch.kvm_device).map_err(|e| e.to_string())?;
+    let mut vmm = match &restore {
+        Some(r) => restore_with_kvm(r, &launch.kvm_device).map_err(|e| e.to_string())?,
+        None => build_with_kvm(&config, &launch.kvm_device).map_err(|e| e.to_string())?,
+    };
+    if let Some(path) = &api_sock {
+        vmm.serve_control(ControlSocket::bind(path).map_err(|e| e.to_string())?);
+    }
     if let Some(confined) = confined {
         confined.drop_privileges().map_err(|e| e.to_string())?;
     }
-    boot_log.boot(&config.kernel);
+    match &restore {
+        Some(r) => boot_log.restore(&r.dir),
+        None => boot_log.boot(&config.kernel),
+    }
     stop_on_signals(vmm.stop_handle(), Arc::clone(&seccomp))?;
     // Jailed, the stop signals were blocked until now (see `jail::unblock_stop_signals`).
     jail::unblock_stop_signals().map_err(|e| e.to_string())?;

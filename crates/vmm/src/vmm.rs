@@ -1,21 +1,25 @@
 //! A built VM and its lifecycle: start the vCPU threads, run the event loop until the guest (or the
-//! embedder) ends the VM, then stop and join every vCPU.
+//! embedder) ends the VM, then stop and join every vCPU. Requests on the control socket (pause,
+//! resume, snapshot; see [`crate::control`]) are carried out on the event-loop thread between
+//! events.
 
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
-use vmm_sys_util::signal::Killable;
 
+use crate::config::VmConfig;
+use crate::control::{Answer, ControlSocket, Inbox, Request};
 use crate::devices::legacy::panic_watch::GuestPanic;
+use crate::devices::virtio::mmio::MmioTransport;
 use crate::seccomp::{ThreadFilters, ThreadKind};
-use crate::vstate::vcpu::{self, ExitReason, Vcpu, VcpuShared};
+use crate::snapshot;
+use crate::vstate::vcpu::{self, ExitReason, Vcpu, VcpuHandle, VcpuShared};
 use crate::vstate::vm::Vm;
 
 /// Errors while running a VM.
@@ -99,6 +103,18 @@ pub struct Vmm {
     pub(crate) guest_panic: GuestPanic,
     pub(crate) timeline: BootTimeline,
     pub(crate) event_manager: EventLoop,
+    /// What a snapshot saves beyond the KVM objects: the configuration, the transports, the
+    /// legacy devices and the MSRs to save.
+    pub(crate) persist: Persist,
+    pub(crate) control: Option<Inbox>,
+}
+
+/// The parts of a VMM only snapshots need.
+pub(crate) struct Persist {
+    pub(crate) config: VmConfig,
+    pub(crate) transports: Vec<Arc<Mutex<MmioTransport>>>,
+    pub(crate) legacy: snapshot::LegacyHandles,
+    pub(crate) msrs: Arc<Vec<u32>>,
 }
 
 /// The VMM's event loop: device queue and backend events, and the VM exit events.
@@ -158,6 +174,13 @@ impl Vmm {
         &self.vm
     }
 
+    /// Serves `socket` from the event loop once the VM runs (see [`crate::control`]).
+    pub fn serve_control(&mut self, socket: ControlSocket) {
+        self.control = Some(socket.inbox());
+        self.event_manager
+            .add_subscriber(Arc::new(Mutex::new(socket)));
+    }
+
     /// Runs the guest until it resets or powers off, a vCPU fails, or a [`StopHandle`] stops it.
     /// Every vCPU thread has been joined when this returns.
     ///
@@ -200,18 +223,18 @@ impl Vmm {
         self.event_manager.add_subscriber(exit.clone());
 
         self.timeline.vcpus_started = Some(Instant::now());
-        let (threads, started) = start_vcpus(std::mem::take(&mut self.vcpus), &seccomp);
+        let (handles, started) = start_vcpus(std::mem::take(&mut self.vcpus), &seccomp);
         let looped = match started {
             Ok(()) => {
                 on_started(&self.timeline);
                 match seccomp.install(ThreadKind::EventLoop) {
-                    Ok(()) => run_event_loop(&mut self.event_manager, &exit),
+                    Ok(()) => self.event_loop(&exit, &handles),
                     Err(e) => Err(e.into()),
                 }
             }
             Err(e) => Err(e),
         };
-        let joined = stop_vcpus(&self.shared, threads);
+        let joined = stop_vcpus(&self.shared, handles);
         self.timeline.exited = Some(Instant::now());
         self.timeline.guest_first_debug_write = self.debug_first_write.get().copied();
         looped?;
@@ -231,50 +254,103 @@ impl Vmm {
     }
 }
 
+impl Vmm {
+    /// Dispatches events until the VM exit event fires, carrying out control requests between
+    /// events.
+    fn event_loop(
+        &mut self,
+        exit: &Arc<Mutex<ExitWatcher>>,
+        vcpus: &[VcpuHandle],
+    ) -> Result<(), Error> {
+        loop {
+            if exit.lock().unwrap_or_else(|p| p.into_inner()).fired {
+                return Ok(());
+            }
+            match self.event_manager.run() {
+                Ok(_) => {}
+                // A signal (e.g. SIGCHLD or a kick) interrupting epoll_wait is not an error.
+                Err(event_manager::Error::Epoll(e)) if e.errno() == libc::EINTR => {}
+                Err(e) => return Err(Error::EventLoop(e.to_string())),
+            }
+            self.serve_requests(vcpus);
+        }
+    }
+
+    /// Carries out every control request received so far and answers it.
+    fn serve_requests(&mut self, vcpus: &[VcpuHandle]) {
+        let Some(inbox) = &self.control else {
+            return;
+        };
+        let pending = std::mem::take(&mut *inbox.lock().unwrap_or_else(|p| p.into_inner()));
+        for request in pending {
+            let result = self.carry_out(&request.request, vcpus);
+            if let Err(e) = &result {
+                tracing::warn!("control request {:?} failed: {e}", request.request);
+            }
+            request.answer(&Answer::of(result.map_err(|e| e.to_string())));
+        }
+    }
+
+    fn carry_out(
+        &mut self,
+        request: &Request,
+        vcpus: &[VcpuHandle],
+    ) -> Result<(), snapshot::Error> {
+        match request {
+            Request::Pause => snapshot::pause_vcpus(vcpus),
+            Request::Resume => snapshot::resume_vcpus(vcpus),
+            Request::Snapshot(req) => {
+                snapshot::pause_vcpus(vcpus)?;
+                let sources = snapshot::SaveSources {
+                    vcpus,
+                    msrs: &self.persist.msrs,
+                    vm: &self.vm,
+                    mem: &self.guest_memory,
+                    transports: &self.persist.transports,
+                    legacy: &self.persist.legacy,
+                    config: &self.persist.config,
+                };
+                let saved = snapshot::save(&sources, &req.dir);
+                if req.resume || saved.is_err() {
+                    snapshot::resume_vcpus(vcpus)?;
+                } else {
+                    tracing::info!("snapshot written to {}; stopping the VM", req.dir.display());
+                    self.shared.record_exit(ExitReason::Stopped);
+                }
+                saved
+            }
+        }
+    }
+}
+
 /// Starts every vCPU thread (each installs its seccomp filter); on failure returns the threads
 /// already started with the error.
 fn start_vcpus(
     vcpus: Vec<Vcpu>,
     seccomp: &Arc<ThreadFilters>,
-) -> (Vec<JoinHandle<()>>, Result<(), Error>) {
-    let mut threads = Vec::with_capacity(vcpus.len());
+) -> (Vec<VcpuHandle>, Result<(), Error>) {
+    let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
         match vcpu.start_confined(Arc::clone(seccomp)) {
-            Ok(t) => threads.push(t),
-            Err(e) => return (threads, Err(e.into())),
+            Ok(h) => handles.push(h),
+            Err(e) => return (handles, Err(e.into())),
         }
     }
-    (threads, Ok(()))
+    (handles, Ok(()))
 }
 
-/// Dispatches events until the VM exit event fires.
-fn run_event_loop(em: &mut EventLoop, exit: &Arc<Mutex<ExitWatcher>>) -> Result<(), Error> {
-    loop {
-        if exit.lock().unwrap_or_else(|p| p.into_inner()).fired {
-            return Ok(());
-        }
-        match em.run() {
-            Ok(_) => {}
-            // A signal (e.g. SIGCHLD or a kick) interrupting epoll_wait is not an error.
-            Err(event_manager::Error::Epoll(e)) if e.errno() == libc::EINTR => {}
-            Err(e) => return Err(Error::EventLoop(e.to_string())),
-        }
-    }
-}
-
-/// Sets the stop flag, kicks every vCPU out of KVM_RUN and joins the threads.
-fn stop_vcpus(shared: &VcpuShared, threads: Vec<JoinHandle<()>>) -> Result<(), Error> {
+/// Sets the stop flag, kicks every vCPU out of KVM_RUN (a paused one wakes when its request
+/// channel closes) and joins the threads.
+fn stop_vcpus(shared: &VcpuShared, handles: Vec<VcpuHandle>) -> Result<(), Error> {
     shared.stop.store(true, Ordering::Release);
-    for t in &threads {
-        if !t.is_finished() {
-            if let Err(e) = t.kill(vcpu::kick_signal()) {
-                tracing::warn!("cannot kick a vCPU thread: {e}");
-            }
+    for h in &handles {
+        if let Err(e) = h.kick() {
+            tracing::warn!("{e}");
         }
     }
     let mut result = Ok(());
-    for (i, t) in threads.into_iter().enumerate() {
-        if t.join().is_err() {
+    for (i, h) in handles.into_iter().enumerate() {
+        if h.into_thread().join().is_err() {
             result = Err(Error::VcpuPanic(i));
         }
     }

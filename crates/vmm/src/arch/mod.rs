@@ -38,6 +38,11 @@ pub(crate) use x86_64::legacy_devices;
 #[cfg(target_arch = "x86_64")]
 pub use x86_64::memory::Error as InitrdPlacementError;
 #[cfg(target_arch = "x86_64")]
+pub use x86_64::persist::{
+    check_cpuid, restore_vcpu, restore_vm, save_vcpu, save_vm, saveable_msrs,
+    Error as PersistError, VcpuState, VmState,
+};
+#[cfg(target_arch = "x86_64")]
 pub use x86_64::{
     arch_memory_regions, configure_system, configure_vcpu, initrd_load_addr, load_kernel,
     setup_boot, setup_irqchip, setup_vcpus, BootInfo, BootState, Error, LoadedKernel,

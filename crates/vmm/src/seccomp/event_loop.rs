@@ -101,9 +101,10 @@ fn file_system(list: &mut Allowlist) {
         libc::SYS_umask,
     ]);
     // The timings report's `rename` of its temporary file, the removal of that file on error and
-    // of the vsock socket at teardown (glibc's `rename`/`unlink`).
+    // of the vsock socket at teardown (glibc's `rename`/`unlink`); a snapshot's directory
+    // (`mkdir`) and the rename of its state file.
     #[cfg(target_arch = "x86_64")]
-    list.allow(&[libc::SYS_rename, libc::SYS_unlink]);
+    list.allow(&[libc::SYS_rename, libc::SYS_unlink, libc::SYS_mkdir]);
     #[cfg(not(target_arch = "x86_64"))]
     list.allow(&[libc::SYS_renameat]);
 }
@@ -133,10 +134,12 @@ fn unix_sockets(list: &mut Allowlist) {
     // a new Unix socket (no other family).
     list.allow(&[libc::SYS_accept4, libc::SYS_connect]);
     list.allow_values(libc::SYS_socket, 0, &[libc::AF_UNIX as u64]);
-    // Data both ways on connected sockets, never to a new address.
+    // Data both ways on connected sockets, never to a new address (`MSG_NOSIGNAL` alone: std's
+    // blocking write, the control socket's answer).
     for flags in [
         0,
         libc::MSG_DONTWAIT,
+        libc::MSG_NOSIGNAL,
         libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
     ] {
         list.allow_if(libc::SYS_sendto, &[Arg::Eq(3, flags as u64), Arg::Null(4)]);
@@ -154,6 +157,11 @@ fn unix_sockets(list: &mut Allowlist) {
     #[cfg(target_arch = "x86_64")]
     list.allow(&[libc::SYS_poll]);
     list.allow_values(libc::SYS_ioctl, 1, &[FIONBIO]);
+    // A snapshot reads the VM's interrupt controllers, PIT and clock.
+    #[cfg(target_arch = "x86_64")]
+    list.allow_values(libc::SYS_ioctl, 1, &super::vcpu::snapshot::VM_IOCTLS);
+    // The control socket's read timeout (SO_RCVTIMEO).
+    list.allow_values(libc::SYS_setsockopt, 2, &[libc::SO_RCVTIMEO as u64]);
 }
 
 /// Stopping the VM: kicking every vCPU thread out of `KVM_RUN` (`pthread_kill` with the kick

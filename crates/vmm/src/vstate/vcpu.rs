@@ -8,7 +8,13 @@
 //!          ▼          │
 //!      ┌─────────┐ ───┘
 //!      │ Running │ ── guest reset/shutdown, fatal exit, or stop request ──► Exiting ──► Exited
-//!      └─────────┘
+//!      └─────────┘                                                          ▲
+//!       │      ▲                                                             │
+//!  Pause│      │Resume                                                       │
+//!       ▼      │                                                             │
+//!      ┌─────────┐ ── stop request, or the VMM dropped its request channel ──┘
+//!      │ Paused  │ ◄─┐ SaveState: reply with the vCPU's state
+//!      └─────────┘ ──┘
 //! ```
 //!
 //! - `Running`: enter the guest with KVM_RUN and handle the vCPU exit that ends it. Port I/O and
@@ -16,18 +22,31 @@
 //! - `Exiting(reason)`: the vCPU will not run again. It records `reason` as the VM's exit reason if
 //!   no other vCPU did so first, signals the VMM's exit event and moves to `Exited`.
 //!
+//! - `Paused`: the vCPU is out of KVM_RUN with every I/O exit completed, waiting for the VMM's next
+//!   [`VcpuRequest`]: `SaveState` (answered with the vCPU's registers, see
+//!   [`crate::snapshot`]), `Resume`, or the end of the VM.
+//!
 //! The VMM stops vCPUs by setting the shared stop flag and sending each thread [`kick_signal`]. The
 //! signal handler sets `kvm_run.immediate_exit`, so a kick that lands before KVM_RUN is entered is
 //! not lost: the next KVM_RUN returns EINTR at once and the loop sees the flag.
+//!
+//! It pauses them the same way: it sends [`VcpuRequest::Pause`] on the vCPU's channel, then the
+//! kick. The request is looked at only when KVM_RUN returned EINTR, never right after a port-I/O
+//! or MMIO exit: KVM completes such an exit (e.g. puts an MMIO read's value in the destination
+//! register) only when KVM_RUN is entered again, and that pending completion is in no state
+//! userspace can save (Linux `Documentation/virt/kvm/api.rst`, `immediate_exit`). Entering
+//! KVM_RUN with `immediate_exit` set completes it without running a guest instruction.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, Once};
 use std::thread::{self, JoinHandle};
+use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::eventfd::EventFd;
-use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::devices::bus::Bus;
 use crate::seccomp::{ThreadFilters, ThreadKind};
@@ -46,6 +65,50 @@ pub enum Error {
     /// The kick signal handler could not be installed.
     #[error("cannot install the vCPU kick signal handler: {0}")]
     SignalHandler(vmm_sys_util::errno::Error),
+    /// The vCPU thread has ended, so it cannot take a request.
+    #[error("vCPU {0} has stopped")]
+    Gone(u8),
+    /// The vCPU thread did not answer a request in time.
+    #[error("vCPU {id} did not answer within {ms} ms")]
+    Timeout {
+        /// The vCPU index.
+        id: u8,
+        /// How long the VMM waited, ms.
+        ms: u128,
+    },
+    /// The kick signal could not be sent.
+    #[error("cannot kick vCPU {id}: {source}")]
+    Kick {
+        /// The vCPU index.
+        id: u8,
+        /// The OS error.
+        source: vmm_sys_util::errno::Error,
+    },
+}
+
+/// What the VMM asks of a vCPU thread (with a kick, see the module docs).
+#[derive(Debug)]
+pub enum VcpuRequest {
+    /// Leave the guest and wait in `Paused`; answered with [`VcpuResponse::Paused`].
+    Pause,
+    /// Go back to running the guest; answered with [`VcpuResponse::Resumed`].
+    Resume,
+    /// Only while paused: save the vCPU's state, with these MSRs (x86_64: KVM's saveable list);
+    /// answered with [`VcpuResponse::State`] or [`VcpuResponse::Failed`].
+    SaveState(Arc<Vec<u32>>),
+}
+
+/// A vCPU thread's answer to a [`VcpuRequest`].
+#[derive(Debug)]
+pub enum VcpuResponse {
+    /// The vCPU is out of the guest and waits.
+    Paused,
+    /// The vCPU runs the guest again.
+    Resumed,
+    /// The vCPU's state.
+    State(Box<crate::snapshot::VcpuState>),
+    /// The request failed; the vCPU stays paused.
+    Failed(String),
 }
 
 /// Why a VM stopped running, as seen by the vCPU that stopped first.
@@ -148,11 +211,83 @@ pub struct Vcpu {
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     shared: Arc<VcpuShared>,
+    /// The vCPU's state was restored from a snapshot: tell the guest's kvmclock it was paused
+    /// before the first KVM_RUN.
+    restored: bool,
 }
 
 enum State {
     Running,
+    Paused,
     Exiting(ExitReason),
+}
+
+/// A started vCPU thread and its request channel.
+#[derive(Debug)]
+pub struct VcpuHandle {
+    id: u8,
+    thread: JoinHandle<()>,
+    requests: Sender<VcpuRequest>,
+    responses: Receiver<VcpuResponse>,
+}
+
+impl VcpuHandle {
+    /// The vCPU index.
+    pub fn id(&self) -> u8 {
+        self.id
+    }
+
+    /// Sends `request` and kicks the thread out of KVM_RUN.
+    ///
+    /// # Errors
+    /// [`Error::Gone`], [`Error::Kick`].
+    pub fn send(&self, request: VcpuRequest) -> Result<(), Error> {
+        self.requests
+            .send(request)
+            .map_err(|_| Error::Gone(self.id))?;
+        self.kick()
+    }
+
+    /// Waits up to `timeout` for the thread's next answer.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Gone`].
+    pub fn recv(&self, timeout: Duration) -> Result<VcpuResponse, Error> {
+        self.responses.recv_timeout(timeout).map_err(|e| match e {
+            RecvTimeoutError::Timeout => Error::Timeout {
+                id: self.id,
+                ms: timeout.as_millis(),
+            },
+            RecvTimeoutError::Disconnected => Error::Gone(self.id),
+        })
+    }
+
+    /// Sends the kick signal unless the thread has ended.
+    ///
+    /// # Errors
+    /// [`Error::Kick`].
+    pub fn kick(&self) -> Result<(), Error> {
+        if self.thread.is_finished() {
+            return Ok(());
+        }
+        self.thread
+            .kill(kick_signal())
+            .map_err(|source| Error::Kick {
+                id: self.id,
+                source,
+            })
+    }
+
+    /// Drops the request channel (a paused vCPU then exits) and returns the thread to join.
+    pub fn into_thread(self) -> JoinHandle<()> {
+        self.thread
+    }
+}
+
+/// The vCPU thread's ends of its request channel.
+struct Channel {
+    requests: Receiver<VcpuRequest>,
+    responses: Sender<VcpuResponse>,
 }
 
 impl Vcpu {
@@ -164,14 +299,27 @@ impl Vcpu {
             pio,
             mmio,
             shared,
+            restored: false,
         }
+    }
+
+    /// Marks the vCPU as restored from a snapshot (see [`crate::snapshot`]): before its first
+    /// KVM_RUN the thread tells the guest it was paused (KVM_KVMCLOCK_CTRL, x86_64), so the
+    /// guest's watchdogs do not count the time it spent saved as a lockup.
+    pub fn mark_restored(&mut self) {
+        self.restored = true;
+    }
+
+    /// The vCPU's file descriptor (for restoring its state before it starts).
+    pub fn fd(&self) -> &VcpuFd {
+        &self.fd
     }
 
     /// Starts the vCPU's thread (`vcpu<id>`) without a seccomp filter.
     ///
     /// # Errors
     /// [`Error::Spawn`], [`Error::SignalHandler`].
-    pub fn start(self) -> Result<JoinHandle<()>, Error> {
+    pub fn start(self) -> Result<VcpuHandle, Error> {
         self.start_confined(Arc::new(ThreadFilters::disabled()))
     }
 
@@ -181,10 +329,16 @@ impl Vcpu {
     ///
     /// # Errors
     /// [`Error::Spawn`], [`Error::SignalHandler`].
-    pub fn start_confined(self, seccomp: Arc<ThreadFilters>) -> Result<JoinHandle<()>, Error> {
+    pub fn start_confined(self, seccomp: Arc<ThreadFilters>) -> Result<VcpuHandle, Error> {
         install_kick_handler()?;
         let id = self.id;
-        thread::Builder::new()
+        let (requests_tx, requests) = mpsc::channel();
+        let (responses, responses_rx) = mpsc::channel();
+        let channel = Channel {
+            requests,
+            responses,
+        };
+        let thread = thread::Builder::new()
             .name(format!("vcpu{id}"))
             .stack_size(super::THREAD_STACK_BYTES)
             .spawn(move || {
@@ -192,18 +346,28 @@ impl Vcpu {
                     self.exiting(ExitReason::Fatal(e.to_string()));
                     return;
                 }
-                self.run();
+                self.run(&channel);
             })
-            .map_err(|source| Error::Spawn { id, source })
+            .map_err(|source| Error::Spawn { id, source })?;
+        Ok(VcpuHandle {
+            id,
+            thread,
+            requests: requests_tx,
+            responses: responses_rx,
+        })
     }
 
-    fn run(mut self) {
+    fn run(mut self, channel: &Channel) {
         let immediate_exit = std::ptr::addr_of_mut!(self.fd.get_kvm_run().immediate_exit);
         IMMEDIATE_EXIT.with(|c| c.set(immediate_exit));
+        if self.restored {
+            self.tell_guest_it_was_paused();
+        }
         let mut state = State::Running;
         loop {
             state = match state {
-                State::Running => self.running(),
+                State::Running => self.running(channel),
+                State::Paused => self.paused(channel),
                 State::Exiting(reason) => {
                     self.exiting(reason);
                     break;
@@ -214,7 +378,7 @@ impl Vcpu {
     }
 
     /// `Running`: one KVM_RUN and the handling of the exit that ended it.
-    fn running(&mut self) -> State {
+    fn running(&mut self, channel: &Channel) -> State {
         if self.shared.stop.load(Ordering::Acquire) {
             return State::Exiting(ExitReason::Stopped);
         }
@@ -226,11 +390,74 @@ impl Vcpu {
             Ok(exit) => handle_exit(exit, &self.pio, &self.mmio),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 self.fd.set_kvm_immediate_exit(0);
-                State::Running
+                // Every I/O exit is complete now: a pause may begin here (module docs).
+                match channel.requests.try_recv() {
+                    Ok(VcpuRequest::Pause) => {
+                        let _ = channel.responses.send(VcpuResponse::Paused);
+                        State::Paused
+                    }
+                    Ok(other) => {
+                        self.refuse(channel, &other, "running");
+                        State::Running
+                    }
+                    Err(_) => State::Running,
+                }
             }
             Err(e) => State::Exiting(ExitReason::Fatal(format!("KVM_RUN failed: {e}"))),
         }
     }
+
+    /// `Paused`: waits for the VMM's next request. The VMM dropping its end of the channel, or
+    /// the stop flag, ends the vCPU.
+    fn paused(&mut self, channel: &Channel) -> State {
+        let Ok(request) = channel.requests.recv() else {
+            return State::Exiting(ExitReason::Stopped);
+        };
+        if self.shared.stop.load(Ordering::Acquire) {
+            return State::Exiting(ExitReason::Stopped);
+        }
+        match request {
+            VcpuRequest::Resume => {
+                self.tell_guest_it_was_paused();
+                let _ = channel.responses.send(VcpuResponse::Resumed);
+                State::Running
+            }
+            VcpuRequest::SaveState(msrs) => {
+                let answer = match crate::snapshot::save_vcpu(&self.fd, &msrs) {
+                    Ok(state) => VcpuResponse::State(Box::new(state)),
+                    Err(e) => VcpuResponse::Failed(format!("vCPU {}: {e}", self.id)),
+                };
+                let _ = channel.responses.send(answer);
+                State::Paused
+            }
+            VcpuRequest::Pause => {
+                let _ = channel.responses.send(VcpuResponse::Paused);
+                State::Paused
+            }
+        }
+    }
+
+    /// Answers a request that is not valid in the current state.
+    fn refuse(&self, channel: &Channel, request: &VcpuRequest, state: &str) {
+        let _ = channel.responses.send(VcpuResponse::Failed(format!(
+            "vCPU {}: {request:?} while {state}",
+            self.id
+        )));
+    }
+
+    /// KVM_KVMCLOCK_CTRL: marks the guest's kvmclock page so its soft-lockup watchdog does not
+    /// count the time the vCPU was paused (Linux `Documentation/virt/kvm/api.rst` §4.76). Fails
+    /// with EINVAL when the guest does not use kvmclock, which is harmless.
+    #[cfg(target_arch = "x86_64")]
+    fn tell_guest_it_was_paused(&self) {
+        if let Err(e) = self.fd.kvmclock_ctrl() {
+            tracing::debug!("vCPU {}: KVM_KVMCLOCK_CTRL: {e}", self.id);
+        }
+    }
+
+    /// arm64 has no KVM_KVMCLOCK_CTRL (its timers are part of the saved vCPU state).
+    #[cfg(not(target_arch = "x86_64"))]
+    fn tell_guest_it_was_paused(&self) {}
 
     /// KVM_EXIT_SHUTDOWN: the guest triple-faulted. Logs the registers (on AMD SVM, KVM has already
     /// reset the vCPU by then, so they show the reset vector, not the fault).

@@ -26,12 +26,17 @@ pub(crate) fn legacy_devices(
     let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
     vm.register_irqfd(&irq, SERIAL_IRQ)?;
     let (sink, guest_panic) = serial_sink(&config.serial)?;
-    let uart = SerialDevice::new(EventFdTrigger::new(irq), sink);
-    mmio.insert(SERIAL_BASE, SERIAL_SIZE, Arc::new(Mutex::new(uart)))?;
+    let serial = Arc::new(Mutex::new(SerialDevice::new(
+        EventFdTrigger::new(irq),
+        sink,
+    )));
+    mmio.insert(SERIAL_BASE, SERIAL_SIZE, serial.clone())?;
     Ok(LegacyDevices {
         pio: Bus::default(),
         reset_evt: EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?,
         debug_first_write: Arc::new(OnceLock::new()),
         guest_panic,
+        serial,
+        i8042: None,
     })
 }

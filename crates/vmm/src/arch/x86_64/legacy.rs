@@ -28,11 +28,11 @@ pub(crate) fn legacy_devices(
     let reset = reset_evt.try_clone().map_err(Error::EventFd)?;
     let kbd_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
     vm.register_irqfd(&kbd_irq, I8042_KBD_IRQ)?;
-    let i8042 = I8042::new(
+    let i8042 = Arc::new(Mutex::new(I8042::new(
         EventFdTrigger::new(reset),
         Some(EventFdTrigger::new(kbd_irq)),
-    );
-    pio.insert(I8042_PORT, I8042_PORT_COUNT, Arc::new(Mutex::new(i8042)))?;
+    )));
+    pio.insert(I8042_PORT, I8042_PORT_COUNT, i8042.clone())?;
 
     let debugcon_sink = open_optional_file(config.debugcon.as_deref())?;
     let debugcon = DebugCon::new(debugcon_sink);
@@ -48,13 +48,18 @@ pub(crate) fn legacy_devices(
             return Err(e);
         }
     };
-    let uart = SerialDevice::new(EventFdTrigger::new(irq), sink);
-    pio.insert(COM1_PORT, COM1_PORT_COUNT, Arc::new(Mutex::new(uart)))?;
+    let serial = Arc::new(Mutex::new(SerialDevice::new(
+        EventFdTrigger::new(irq),
+        sink,
+    )));
+    pio.insert(COM1_PORT, COM1_PORT_COUNT, serial.clone())?;
     Ok(LegacyDevices {
         pio,
         reset_evt,
         debug_first_write: first_write,
         guest_panic,
+        serial,
+        i8042: Some(i8042),
     })
 }
 

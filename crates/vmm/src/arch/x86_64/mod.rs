@@ -21,6 +21,7 @@ pub mod memory;
 pub mod mptable;
 pub mod msr;
 pub mod paging;
+pub mod persist;
 pub mod regs;
 
 use kvm_bindings::CpuId;

@@ -8,9 +8,12 @@
 //! command (0xfe), or clearing the reset bit through "write output port" (0xd1), signals the VMM's
 //! reset event. Reference: the IBM PC/AT technical reference's 8042 command set, as used by
 //! `drivers/input/serio/i8042.c`.
+//!
+//! The controller's few registers are saved in snapshots as [`I8042State`].
 
 use std::collections::VecDeque;
 
+use serde::{Deserialize, Serialize};
 use vm_superio::Trigger;
 
 use super::EventFdTrigger;
@@ -62,11 +65,28 @@ const KBD_ACK: u8 = 0xfa;
 const OUTPORT_DEFAULT: u8 = 0x03;
 
 /// Bound on queued output bytes; a guest that never reads cannot grow it further.
-const OUTPUT_QUEUE_MAX: usize = 16;
+pub const OUTPUT_QUEUE_MAX: usize = 16;
+/// Status bits the controller keeps (the output-buffer-full bit follows the output queue).
+const SB_KEPT: u8 = SB_SYSTEM_FLAG | SB_LAST_WAS_CMD | SB_KBD_UNLOCKED;
+
+/// Errors from restoring the controller.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The saved output queue is longer than the controller ever holds.
+    #[error("i8042 state in the snapshot queues {len} output bytes; at most 16 are kept")]
+    OutputTooLong {
+        /// Bytes in the saved queue.
+        len: usize,
+    },
+    /// The saved status register has bits the controller never sets.
+    #[error("i8042 state in the snapshot has an invalid status register {0:#04x}")]
+    Status(u8),
+}
 
 /// What the next byte written to the data port means.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum DataTarget {
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataTarget {
     /// A command for the (absent) keyboard.
     Keyboard,
     /// The new controller configuration byte (after 0x60).
@@ -75,6 +95,23 @@ enum DataTarget {
     OutputPort,
     /// A byte to place in the output buffer as if the keyboard sent it (after 0xd2).
     KbdOutputBuffer,
+}
+
+/// The controller's state in a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct I8042State {
+    /// Status register bits (system flag, last write was a command, keyboard unlocked); the
+    /// output-buffer-full bit is derived from `output`.
+    pub status: u8,
+    /// Controller configuration byte.
+    pub ctr: u8,
+    /// Output port (bit 0: CPU not in reset, bit 1: A20).
+    pub outport: u8,
+    /// Bytes waiting for the guest to read from the data port, oldest first (at most 16).
+    pub output: Vec<u8>,
+    /// What the next data-port write means.
+    pub data_target: DataTarget,
 }
 
 /// The i8042 on the port-I/O bus.
@@ -102,6 +139,39 @@ impl I8042 {
             output: VecDeque::new(),
             data_target: DataTarget::Keyboard,
         }
+    }
+
+    /// The controller's registers, for a snapshot.
+    pub fn state(&self) -> I8042State {
+        I8042State {
+            status: self.status,
+            ctr: self.ctr,
+            outport: self.outport,
+            output: self.output.iter().copied().collect(),
+            data_target: self.data_target,
+        }
+    }
+
+    /// Restores the registers of `state` (from a snapshot; untrusted), keeping this controller's
+    /// reset event and interrupt line.
+    ///
+    /// # Errors
+    /// [`Error::OutputTooLong`] or [`Error::Status`]; the controller is unchanged on error.
+    pub fn restore(&mut self, state: &I8042State) -> Result<(), Error> {
+        if state.output.len() > OUTPUT_QUEUE_MAX {
+            return Err(Error::OutputTooLong {
+                len: state.output.len(),
+            });
+        }
+        if state.status & !SB_KEPT != 0 {
+            return Err(Error::Status(state.status));
+        }
+        self.status = state.status;
+        self.ctr = state.ctr;
+        self.outport = state.outport;
+        self.output = state.output.iter().copied().collect();
+        self.data_target = state.data_target;
+        Ok(())
     }
 
     fn push_output(&mut self, byte: u8) {
@@ -275,6 +345,55 @@ mod tests {
         }
 
         assert_eq!(dev.output.len(), OUTPUT_QUEUE_MAX);
+    }
+
+    #[test]
+    fn restored_state_keeps_the_configuration_byte_and_pending_output() {
+        let (mut saved, _reset) = controller();
+        saved.write(COMMAND_OFFSET, &[CMD_WRITE_CTR]);
+        saved.write(DATA_OFFSET, &[0x47]);
+        saved.write(COMMAND_OFFSET, &[CMD_SELF_TEST]);
+        saved.write(COMMAND_OFFSET, &[CMD_WRITE_OUTPORT]);
+        let state = saved.state();
+        let json = serde_json::to_string(&state).unwrap();
+        let (mut restored, reset) = controller();
+
+        restored
+            .restore(&serde_json::from_str(&json).unwrap())
+            .unwrap();
+
+        assert_eq!(restored.state(), state);
+        assert_eq!(
+            read(&mut restored, COMMAND_OFFSET) & SB_OUT_FULL,
+            SB_OUT_FULL
+        );
+        assert_eq!(read(&mut restored, DATA_OFFSET), SELF_TEST_OK);
+        // The pending "write output port" takes the next data byte: clearing bit 0 resets.
+        restored.write(DATA_OFFSET, &[0x02]);
+        assert_eq!(reset.read().unwrap(), 1);
+        restored.write(COMMAND_OFFSET, &[CMD_READ_CTR]);
+        assert_eq!(read(&mut restored, DATA_OFFSET), 0x47);
+    }
+
+    #[test]
+    fn restore_refuses_an_oversized_output_queue_and_unknown_status_bits() {
+        let (mut dev, _reset) = controller();
+        let before = dev.state();
+        let long = I8042State {
+            output: vec![0; OUTPUT_QUEUE_MAX + 1],
+            ..before.clone()
+        };
+        let bad_status = I8042State {
+            status: 0x80,
+            ..before.clone()
+        };
+
+        let long_result = dev.restore(&long);
+        let status_result = dev.restore(&bad_status);
+
+        assert!(matches!(long_result, Err(Error::OutputTooLong { len: 17 })));
+        assert!(matches!(status_result, Err(Error::Status(0x80))));
+        assert_eq!(dev.state(), before);
     }
 
     #[test]

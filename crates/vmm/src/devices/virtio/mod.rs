@@ -11,11 +11,23 @@
 //! as in Firecracker: `activate` stores what it is given and signals the device's own
 //! `activate_evt`; the device's event handler, running on the event-loop thread, then registers the
 //! queue eventfds and backend file descriptors with the event manager.
+//!
+//! # Snapshots
+//! A device's state in a snapshot is what the transport saves
+//! ([`mmio::MmioTransport::save`]): the driver-visible registers, each activated queue's ring
+//! positions ([`VirtioDevice::queue_positions`]) and what identifies the device's backend
+//! ([`VirtioDevice::device_state`]). Restoring builds the device as on a normal boot and
+//! re-activates it with those positions ([`mmio::MmioTransport::restore`]). Devices serve their
+//! queues to completion on the event-loop thread, so at the point a snapshot is taken (every vCPU
+//! paused, taken from the event-loop thread) no device holds a descriptor chain it popped but has
+//! not returned to the used ring: the saved `next_avail` never skips a request.
 
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -148,6 +160,67 @@ pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
     }
 }
 
+/// Where the device stands in one activated split virtqueue (virtio 1.2 §2.7): the driver-written
+/// rings live in guest memory (and are saved with it); these are the device's private indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueuePosition {
+    /// Index of the next available-ring entry the device will read (virtio 1.2 §2.7.6; the
+    /// device's `last_avail_idx`).
+    pub next_avail: u16,
+    /// Index of the next used-ring entry the device will write; equals the used ring's `idx`
+    /// (virtio 1.2 §2.7.8).
+    pub next_used: u16,
+    /// VIRTIO_RING_F_EVENT_IDX is in use on the queue (virtio 1.2 §2.7.10).
+    pub event_idx: bool,
+}
+
+impl QueuePosition {
+    /// The position of `queue`.
+    pub fn of(queue: &Queue) -> Self {
+        QueuePosition {
+            next_avail: queue.next_avail(),
+            next_used: queue.next_used(),
+            event_idx: queue.state().event_idx_enabled,
+        }
+    }
+
+    /// Applies the position to `queue` (a queue built from the same configuration).
+    pub fn apply(&self, queue: &mut Queue) {
+        queue.set_next_avail(self.next_avail);
+        queue.set_next_used(self.next_used);
+        queue.set_event_idx(self.event_idx);
+    }
+}
+
+/// What identifies a device's backend in a snapshot. A restore onto a device whose state does not
+/// match is refused ([`VirtioDevice::check_restore`]): the guest would otherwise see its disk
+/// change size or its share change tag behind its back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DeviceState {
+    /// virtio-vsock (virtio 1.2 §5.10). Host-side connections are not saved.
+    Vsock {
+        /// The guest CID at the time of the snapshot (the restored device may have another: the
+        /// driver re-reads it on TRANSPORT_RESET, virtio 1.2 §5.10.6.6).
+        guest_cid: u64,
+    },
+    /// virtio-blk (virtio 1.2 §5.2); the image is reopened by path by the restored VM.
+    Block {
+        /// Disk size in 512-byte sectors (virtio 1.2 §5.2.4 `capacity`).
+        capacity: u64,
+        /// VIRTIO_BLK_F_RO.
+        read_only: bool,
+    },
+    /// virtio-fs (virtio 1.2 §5.11); saved only without a live FUSE session.
+    Fs {
+        /// The mount tag (virtio 1.2 §5.11.4), which the guest driver read at probe time.
+        tag: String,
+    },
+    /// A device with no backend state to check.
+    Plain,
+}
+
 /// A virtio device behind a transport.
 pub trait VirtioDevice: Send {
     /// The virtio device ID ([`device_type`]).
@@ -186,6 +259,42 @@ pub trait VirtioDevice: Send {
     fn config_generation(&self) -> u32 {
         0
     }
+
+    /// The position of each activated queue, in queue-index order; empty when the device is not
+    /// activated. Called with every vCPU paused and on the event-loop thread (so no queue handler
+    /// is running): every chain the device popped is back in the used ring.
+    fn queue_positions(&self) -> Vec<QueuePosition>;
+
+    /// What identifies the device's backend in a snapshot.
+    fn device_state(&self) -> DeviceState;
+
+    /// Whether `saved` (from a snapshot) may be restored onto this device.
+    ///
+    /// # Errors
+    /// Why not, for the user. The default refuses any difference from [`Self::device_state`].
+    fn check_restore(&self, saved: &DeviceState) -> Result<(), String> {
+        let current = self.device_state();
+        if *saved == current {
+            Ok(())
+        } else {
+            Err(format!(
+                "the snapshot's device is {saved:?}, this VM's is {current:?}"
+            ))
+        }
+    }
+
+    /// Whether the device's state can be saved now.
+    ///
+    /// # Errors
+    /// Why not (for example a live session the snapshot cannot carry), for the user.
+    fn can_snapshot(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Tells a device just re-activated from a snapshot (by the transport, in the same lock as
+    /// [`Self::activate`], before any vCPU runs) that its queues resume where the saved VM left
+    /// them and host-side state (connections, sessions) did not survive.
+    fn restored(&mut self) {}
 }
 
 #[cfg(test)]

@@ -23,8 +23,8 @@ use super::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX,
 };
 use crate::devices::virtio::{
-    device_type, read_config_bytes, ActivateContext, ActivateError, IrqTrigger, VirtioDevice,
-    VIRTIO_F_VERSION_1,
+    device_type, read_config_bytes, ActivateContext, ActivateError, DeviceState, IrqTrigger,
+    QueuePosition, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 
 /// Offset of `le64 capacity` (in sectors) in the configuration space (virtio 1.2 §5.2.4).
@@ -352,6 +352,25 @@ impl VirtioDevice for Block {
         });
         self.pending_queue_evt = Some(queue_evt);
         self.activate_evt.write(1).map_err(ActivateError::Signal)
+    }
+
+    /// The request queue's position. Requests are served synchronously on the event-loop thread
+    /// (`drain` pops a chain, executes it and puts it in the used ring before popping the next),
+    /// so from that thread, between events, no request is in flight: the disk holds every write
+    /// the used ring reports, and `next_avail` skips no request.
+    fn queue_positions(&self) -> Vec<QueuePosition> {
+        self.active
+            .iter()
+            .map(|active| QueuePosition::of(&active.queue))
+            .collect()
+    }
+
+    /// The disk's size and whether it is read-only; the restored VM reopens its image by path.
+    fn device_state(&self) -> DeviceState {
+        DeviceState::Block {
+            capacity: self.disk.capacity(),
+            read_only: self.disk.read_only(),
+        }
     }
 
     /// Drops the queue and the guest memory handle; the disk stays open. Requests are served

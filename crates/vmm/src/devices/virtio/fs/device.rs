@@ -24,8 +24,8 @@ use super::{
     NUM_REQUEST_QUEUES, TAG_SIZE,
 };
 use crate::devices::virtio::{
-    device_type, read_config_bytes, ActivateContext, ActivateError, IrqTrigger, VirtioDevice,
-    VIRTIO_F_VERSION_1,
+    device_type, read_config_bytes, ActivateContext, ActivateError, DeviceState, IrqTrigger,
+    QueuePosition, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 
 /// How to create an [`Fs`] device: one shared host directory.
@@ -328,6 +328,36 @@ impl VirtioDevice for Fs {
         });
         self.pending_queue_evts = ctx.queue_evts;
         self.activate_evt.write(1).map_err(ActivateError::Signal)
+    }
+
+    /// The hiprio and request queues' positions. Requests are served synchronously on the
+    /// event-loop thread (each chain popped is answered and put in the used ring before the next),
+    /// so between events none is in flight.
+    fn queue_positions(&self) -> Vec<QueuePosition> {
+        self.active
+            .iter()
+            .flat_map(|active| active.queues.iter().map(QueuePosition::of))
+            .collect()
+    }
+
+    /// The mount tag: the guest's driver read it at probe time and knows the share by it.
+    fn device_state(&self) -> DeviceState {
+        DeviceState::Fs {
+            tag: self.tag.clone(),
+        }
+    }
+
+    /// Refused while the guest has the share mounted (a live FUSE session): its node IDs and
+    /// file handles name host file descriptors of this process, which a snapshot cannot carry.
+    /// A restored device starts without a session, ready for the guest to mount it.
+    fn can_snapshot(&self) -> Result<(), String> {
+        if self.fs.session_live() && !self.forget_pending {
+            return Err(format!(
+                "virtio-fs share {} is mounted in the guest; unmount it before a snapshot",
+                self.tag
+            ));
+        }
+        Ok(())
     }
 
     /// Drops the queues and the guest memory handle; every node ID and file handle the guest held

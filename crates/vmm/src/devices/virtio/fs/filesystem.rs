@@ -57,8 +57,9 @@ impl ShareFs {
     }
 
     /// Drops every node ID and file handle the guest holds and re-imports the root, as FUSE_DESTROY
-    /// does; used when the driver resets the device.
+    /// does; used when the driver resets the device. Ends the FUSE session.
     pub fn forget_all(&self) {
+        self.set_session(false);
         let destroyed = self.run_creating(|fs, _| {
             fs.destroy();
             Ok(())
@@ -76,6 +77,7 @@ impl FileSystem for ShareFs {
     fn init(&self, capable: FsOptions) -> io::Result<FsOptions> {
         // Importing the root clears the process umask for good: the guard restores it.
         let want = self.run_creating(|fs, _| fs.init(capable))?;
+        self.set_session(true);
         Ok(want | EXTRA_OPTIONS)
     }
 

@@ -14,6 +14,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use fuse_backend_rs::api::filesystem::Context;
 use fuse_backend_rs::passthrough::{CachePolicy, Config, PassthroughFs};
@@ -30,6 +31,8 @@ pub struct ShareFs {
     path: PathBuf,
     /// Pins the share's root; `inner` imports it through `/proc/self/fd`.
     _root: File,
+    /// A FUSE session is live: FUSE_INIT succeeded and no FUSE_DESTROY (or device reset) ended it.
+    session: AtomicBool,
 }
 
 impl std::fmt::Debug for ShareFs {
@@ -85,7 +88,19 @@ impl ShareFs {
             read_only,
             path: shared_dir.to_owned(),
             _root: root,
+            session: AtomicBool::new(false),
         })
+    }
+
+    /// Whether the guest has a live FUSE session (virtio-fs mounted): FUSE_INIT succeeded and
+    /// neither FUSE_DESTROY nor a device reset ended it since.
+    pub fn session_live(&self) -> bool {
+        self.session.load(Ordering::SeqCst)
+    }
+
+    /// Records that a FUSE session started (`true`, FUSE_INIT) or ended (`false`).
+    pub(super) fn set_session(&self, live: bool) {
+        self.session.store(live, Ordering::SeqCst);
     }
 
     /// The host identity the share is served as (the owner of the files the guest creates).

@@ -33,12 +33,19 @@
 //! # Locking
 //! The transport sits on the MMIO bus behind its own mutex and locks the device's mutex inside
 //! it. Code holding a device's lock (its event handler) must never take the transport's lock.
+//!
+//! # Snapshots
+//! [`MmioTransport::save`] and [`MmioTransport::restore`] ([`persist`]) carry the registers, the
+//! queue configuration and each activated queue's ring positions across a snapshot.
 
+pub mod persist;
 mod queue;
 mod registers;
 mod status;
 mod transport;
 
+#[cfg(test)]
+mod persist_tests;
 #[cfg(test)]
 mod tests;
 
@@ -161,6 +168,47 @@ pub enum Error {
     /// The device refused to activate.
     #[error("device activation failed: {0}")]
     Activate(ActivateError),
+    /// The device cannot be saved in its current state ([`VirtioDevice::can_snapshot`]).
+    ///
+    /// [`VirtioDevice::can_snapshot`]: super::VirtioDevice::can_snapshot
+    #[error("{0}")]
+    SnapshotRefused(String),
+    /// The device reported a number of queue positions other than its number of queues.
+    #[error("the device reported {got} queue positions for its {expected} virtqueues")]
+    SnapshotPositions {
+        /// Queues of the device.
+        expected: usize,
+        /// Positions reported.
+        got: usize,
+    },
+    /// A restore onto a transport the driver has already used; restore needs one fresh from
+    /// [`MmioTransport::new`].
+    #[error("cannot restore onto a transport already in use (status {status:#x})")]
+    RestoreNotFresh {
+        /// The transport's status.
+        status: u32,
+    },
+    /// The snapshot is of another kind of device than the one restored onto.
+    #[error(
+        "the snapshot's device does not match this VM's: {what} is {saved} in the snapshot, \
+         {current} here"
+    )]
+    RestoreMismatch {
+        /// What differs ("device type", "offered features", "number of virtqueues").
+        what: &'static str,
+        /// The snapshot's value.
+        saved: String,
+        /// This device's value.
+        current: String,
+    },
+    /// The device's backend differs from the snapshot's ([`VirtioDevice::check_restore`]).
+    ///
+    /// [`VirtioDevice::check_restore`]: super::VirtioDevice::check_restore
+    #[error("the snapshot's device does not match this VM's: {0}")]
+    RestoreDevice(String),
+    /// The saved state is inconsistent: a corrupt or crafted snapshot.
+    #[error("invalid virtio-mmio state in the snapshot: {0}")]
+    RestoreInvalid(String),
 }
 
 /// The kernel command-line parameter that declares a virtio-mmio device to Linux

@@ -88,6 +88,14 @@ pub(super) fn transition(current: u32, written: u32) -> Result<Transition, Error
     Ok(Transition::Advance(added))
 }
 
+/// Whether `status` is a value the transport can reach (virtio 1.2 §2.1): only defined bits, and
+/// the initialization bits none or a prefix of [`INIT_STEPS`]. Checked on restore, where the
+/// value comes from a snapshot file.
+pub(super) fn is_reachable(status: u32) -> bool {
+    let init = status & !(FAILED | DEVICE_NEEDS_RESET);
+    status & !KNOWN_BITS == 0 && (init == 0 || is_init_prefix(init))
+}
+
 /// Whether `bits` are exactly the first few of [`INIT_STEPS`] (ACKNOWLEDGE, ACKNOWLEDGE | DRIVER,
 /// ...), the only shapes a correctly initializing driver produces.
 fn is_init_prefix(bits: u32) -> bool {
@@ -181,5 +189,24 @@ mod tests {
         let result = transition(ACKNOWLEDGE | FAILED, ACKNOWLEDGE | DRIVER | FAILED);
 
         assert!(matches!(result, Err(Error::StatusTransition { .. })));
+    }
+    #[test]
+    fn reachable_statuses_are_init_prefixes_with_any_failure_bits() {
+        let reachable = [
+            0,
+            ACKNOWLEDGE | DRIVER,
+            ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK | DEVICE_NEEDS_RESET,
+            FAILED,
+            ACKNOWLEDGE | FAILED,
+        ];
+        let unreachable = [
+            DRIVER,
+            ACKNOWLEDGE | FEATURES_OK,
+            DRIVER_OK,
+            ACKNOWLEDGE | 0x100,
+        ];
+
+        assert!(reachable.into_iter().all(is_reachable));
+        assert!(!unreachable.into_iter().any(is_reachable));
     }
 }

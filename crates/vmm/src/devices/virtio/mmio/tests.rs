@@ -14,8 +14,8 @@ use super::status::{ACKNOWLEDGE, DEVICE_NEEDS_RESET, DRIVER, DRIVER_OK, FEATURES
 use super::*;
 use crate::devices::bus::BusDevice;
 use crate::devices::virtio::{
-    ActivateContext, ActivateError, IrqTrigger, VirtioDevice, VIRTIO_F_VERSION_1,
-    VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
+    ActivateContext, ActivateError, DeviceState, IrqTrigger, QueuePosition, VirtioDevice,
+    VIRTIO_F_VERSION_1, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
 };
 
 /// Device ID the dummy reports (virtio-blk).
@@ -97,6 +97,21 @@ impl VirtioDevice for DummyDevice {
     }
     fn config_generation(&self) -> u32 {
         7
+    }
+    fn queue_positions(&self) -> Vec<QueuePosition> {
+        let position = QueuePosition {
+            next_avail: 0,
+            next_used: 0,
+            event_idx: false,
+        };
+        self.activated_with
+            .iter()
+            .flatten()
+            .map(|_| position)
+            .collect()
+    }
+    fn device_state(&self) -> DeviceState {
+        DeviceState::Plain
     }
 }
 
@@ -686,6 +701,12 @@ fn new_rejects_a_device_without_version_1() {
         }
         fn activate(&mut self, ctx: ActivateContext) -> Result<(), ActivateError> {
             self.0.activate(ctx)
+        }
+        fn queue_positions(&self) -> Vec<QueuePosition> {
+            self.0.queue_positions()
+        }
+        fn device_state(&self) -> DeviceState {
+            self.0.device_state()
         }
     }
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();

@@ -37,27 +37,27 @@ use crate::devices::virtio::{
 pub struct MmioTransport {
     mem: GuestMemoryMmap,
     device: Arc<Mutex<dyn VirtioDevice>>,
-    interrupt: Arc<IrqTrigger>,
+    pub(super) interrupt: Arc<IrqTrigger>,
     /// DeviceID, read once from the device.
-    device_type: u32,
+    pub(super) device_type: u32,
     /// Features the device offers, read once from the device.
-    device_features: u64,
+    pub(super) device_features: u64,
     /// QueueNumMax of each queue, read once from the device.
     max_sizes: Vec<u16>,
     /// Notification eventfd of each queue (kept across resets; the device gets duplicates).
     queue_evts: Vec<EventFd>,
-    queues: Vec<QueueConfig>,
-    queue_sel: u32,
-    device_features_sel: u32,
-    driver_features_sel: u32,
+    pub(super) queues: Vec<QueueConfig>,
+    pub(super) queue_sel: u32,
+    pub(super) device_features_sel: u32,
+    pub(super) driver_features_sel: u32,
     /// Feature bits 0-63 the driver wrote to DriverFeatures.
-    driver_features: u64,
+    pub(super) driver_features: u64,
     /// The driver wrote a non-zero DriverFeatures word beyond bit 63 (never offered here).
-    driver_features_beyond_64: bool,
+    pub(super) driver_features_beyond_64: bool,
     /// Device status (§2.1).
-    status: u32,
+    pub(super) status: u32,
     /// The device was activated and has not been reset since.
-    activated: bool,
+    pub(super) activated: bool,
 }
 
 impl fmt::Debug for MmioTransport {
@@ -144,7 +144,7 @@ impl MmioTransport {
         self.activated
     }
 
-    fn lock_device(&self) -> MutexGuard<'_, dyn VirtioDevice + 'static> {
+    pub(super) fn lock_device(&self) -> MutexGuard<'_, dyn VirtioDevice + 'static> {
         lock(&self.device)
     }
 
@@ -365,7 +365,7 @@ impl MmioTransport {
     }
 
     /// Checks the driver's features (§2.2.1) and hands them to the device.
-    fn negotiate_features(&mut self) -> Result<(), Error> {
+    pub(super) fn negotiate_features(&mut self) -> Result<(), Error> {
         let acked = self.driver_features;
         if acked & !self.device_features != 0 || self.driver_features_beyond_64 {
             return Err(Error::FeaturesNotOffered {
@@ -383,6 +383,18 @@ impl MmioTransport {
     /// Validates every queue and activates the device with them.
     fn activate(&mut self) -> Result<(), Error> {
         let queues = self.build_queues()?;
+        self.activate_queues(queues, false)
+    }
+
+    /// Activates the device with `queues` (validated), the notification eventfds and the
+    /// interrupt. With `restored`, tells the device in the same lock that it resumes a snapshot
+    /// ([`VirtioDevice::restored`]), so its event handler never sees it activated but not
+    /// restored.
+    pub(super) fn activate_queues(
+        &mut self,
+        queues: Vec<Queue>,
+        restored: bool,
+    ) -> Result<(), Error> {
         let queue_evts = self
             .queue_evts
             .iter()
@@ -395,13 +407,18 @@ impl MmioTransport {
             queue_evts,
             interrupt: Arc::clone(&self.interrupt),
         };
-        self.lock_device().activate(ctx).map_err(Error::Activate)?;
+        let mut device = self.lock_device();
+        device.activate(ctx).map_err(Error::Activate)?;
+        if restored {
+            device.restored();
+        }
+        drop(device);
         self.activated = true;
         Ok(())
     }
 
     /// Every queue of the device, validated; all of them must be ready.
-    fn build_queues(&self) -> Result<Vec<Queue>, Error> {
+    pub(super) fn build_queues(&self) -> Result<Vec<Queue>, Error> {
         let event_idx = self.negotiated(VIRTIO_RING_F_EVENT_IDX);
         self.queues
             .iter()
@@ -429,7 +446,7 @@ impl MmioTransport {
 
     /// Status ← 0 (§2.4): resets an activated device, then the transport's state; status reads
     /// back 0 when done. InterruptStatus and every QueueReady are cleared (§4.2.2.1).
-    fn reset(&mut self) {
+    pub(super) fn reset(&mut self) {
         if self.activated && !self.lock_device().reset() {
             warn!(
                 "virtio-mmio device type {}: the device cannot be reset; it stays inert",

@@ -5,6 +5,16 @@
 //! calls the `on_*` methods through [`event_handler`](super::event_handler). Both hold the
 //! device's mutex. `activate` only stores the queues and signals `activate_evt`; the event loop
 //! then starts watching the queue notifications and the host listener.
+//!
+//! Snapshots: the device never holds a chain it popped across events (TX chains go back at once,
+//! an RX chain is either filled and returned or given back with `go_to_previous_position`, an
+//! event buffer is returned as soon as it is written), so the queue positions saved between
+//! events skip nothing. Connections are not saved. A restored device ([`VirtioDevice::restored`])
+//! sends the guest a TRANSPORT_RESET event as soon as the event loop sees it activated (or, if
+//! the guest has no event buffer posted, as soon as it posts one), drains the TX queue at once
+//! (a chain posted before the snapshot may have been notified already and will not be notified
+//! again), and holds packets for the guest until the guest has handled the event (see
+//! [`RESET_ACK_TIMEOUT`]).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
@@ -23,14 +33,15 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use super::muxer::Muxer;
 use super::packet::{header_of_rejected_chain, Header, HEADER_SIZE};
+use super::reset_event;
 use super::unix::set_nonblocking;
 use super::{
-    ConnKey, ConnState, Error, EVQ_INDEX, MAX_GUEST_CID, MAX_PKT_DATA, MIN_GUEST_CID, RXQ_INDEX,
-    TXQ_INDEX, VSOCK_QUEUE_SIZES,
+    ConnKey, ConnState, Error, EVQ_INDEX, MAX_GUEST_CID, MAX_PKT_DATA, MIN_GUEST_CID,
+    RESET_ACK_TIMEOUT, RXQ_INDEX, TXQ_INDEX, VSOCK_QUEUE_SIZES,
 };
 use crate::devices::virtio::{
-    device_type, read_config_bytes, ActivateContext, ActivateError, IrqTrigger, VirtioDevice,
-    VIRTIO_F_VERSION_1,
+    device_type, read_config_bytes, ActivateContext, ActivateError, DeviceState, IrqTrigger,
+    QueuePosition, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 
 /// What an event-loop fd belongs to.
@@ -68,6 +79,12 @@ pub struct Vsock {
     active: Option<Active>,
     /// Muxer sockets (and the listener) registered with the event loop, and for what.
     watched: HashMap<RawFd, EventSet>,
+    /// Restored from a snapshot: a TRANSPORT_RESET event is owed to the guest and waits for the
+    /// event loop, or for an event-queue buffer.
+    reset_event_pending: bool,
+    /// Restored from a snapshot: packets for the guest wait until the guest has handled the
+    /// TRANSPORT_RESET event, or until this deadline.
+    rx_hold_until: Option<Instant>,
 }
 
 impl std::fmt::Debug for Vsock {
@@ -108,6 +125,8 @@ impl Vsock {
             timer_deadline: None,
             active: None,
             watched: HashMap::new(),
+            reset_event_pending: false,
+            rx_hold_until: None,
         })
     }
 
@@ -124,6 +143,12 @@ impl Vsock {
     /// Whether the driver has activated the device.
     pub fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+
+    /// Whether packets for the guest are held until it handles a TRANSPORT_RESET event (after a
+    /// restore).
+    pub fn is_rx_held(&self) -> bool {
+        self.rx_hold_until.is_some()
     }
 
     /// Number of open connections.
@@ -189,16 +214,59 @@ impl Vsock {
                 tracing::error!("vsock: cannot watch a queue notification: {e}");
             }
         }
+        if self.reset_event_pending {
+            // The guest may only now be about to run: its time to answer starts here.
+            self.rx_hold_until = Some(Instant::now() + RESET_ACK_TIMEOUT);
+            self.send_reset_event();
+        }
         self.process_queues();
     }
 
-    /// Queue `index` was notified.
+    /// Queue `index` was notified. On the event queue this is either a buffer for an owed
+    /// TRANSPORT_RESET event, or the guest re-posting the buffer of a delivered one: it has
+    /// handled the event, and held packets may go.
     pub fn on_queue_event(&mut self, index: usize) {
         if let Some(evt) = self.active.as_ref().and_then(|a| a.queue_evts.get(index)) {
             let _ = evt.read();
         }
         if index != EVQ_INDEX {
             self.process_queues();
+        } else if self.reset_event_pending {
+            self.send_reset_event();
+        } else if self.rx_hold_until.take().is_some() {
+            tracing::debug!("vsock: the guest handled TRANSPORT_RESET; delivering held packets");
+            self.process_queues();
+        }
+    }
+
+    /// Puts the owed TRANSPORT_RESET event on the event queue and interrupts the guest; without
+    /// a buffer, asks the guest to notify when it posts one. The interrupt is not subject to
+    /// used_event suppression: a guest that misses it keeps its dead connections (Firecracker
+    /// issue #4736).
+    fn send_reset_event(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let mem = &active.mem;
+        let queue = &mut active.queues[EVQ_INDEX];
+        let mut looked_again = false;
+        loop {
+            if reset_event::send(queue, mem) {
+                self.reset_event_pending = false;
+                if let Err(e) = active.interrupt.signal_used_queue() {
+                    tracing::error!("vsock: cannot interrupt the guest: {e}");
+                }
+                return;
+            }
+            match queue.enable_notification(mem) {
+                // A buffer arrived while notifications were being enabled.
+                Ok(true) if !std::mem::replace(&mut looked_again, true) => {}
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!("vsock: cannot enable event queue notifications: {e}");
+                    return;
+                }
+            }
         }
     }
 
@@ -214,9 +282,17 @@ impl Vsock {
         self.expire_connections(Instant::now());
     }
 
-    /// Ends what is overdue at `now` (RST to the guest, client sockets closed) and delivers the
-    /// resulting packets.
+    /// Ends what is overdue at `now` (RST to the guest, client sockets closed; packets held for
+    /// a TRANSPORT_RESET the guest did not acknowledge in time) and delivers the resulting
+    /// packets.
     pub fn expire_connections(&mut self, now: Instant) {
+        if self.rx_hold_until.is_some_and(|deadline| deadline <= now) {
+            tracing::warn!(
+                "vsock: the guest did not acknowledge TRANSPORT_RESET within {RESET_ACK_TIMEOUT:?}; \
+                 delivering held packets"
+            );
+            self.rx_hold_until = None;
+        }
         self.muxer.on_tick(now);
         self.process_queues();
     }
@@ -267,7 +343,10 @@ impl Vsock {
     }
 
     fn rearm_timer(&mut self) {
-        let next = self.muxer.next_deadline();
+        let next = match (self.muxer.next_deadline(), self.rx_hold_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if next == self.timer_deadline {
             return;
         }
@@ -292,7 +371,12 @@ impl Vsock {
     /// so a packet added in between is not left waiting for a kick. The interrupt follows the
     /// driver's suppression: VRING_AVAIL_F_NO_INTERRUPT, or with VIRTIO_RING_F_EVENT_IDX the
     /// used_event index (virtio 1.2 §2.7.10).
+    ///
+    /// While packets for the guest are held (after a restore, until the guest handled
+    /// TRANSPORT_RESET), RX buffers are not filled: the guest resets every connected socket when
+    /// it handles the event, including ones completed just before (Firecracker issue #5882).
     fn process_queues(&mut self) {
+        let rx_open = self.rx_hold_until.is_none();
         let Some(active) = self.active.as_mut() else {
             return;
         };
@@ -301,7 +385,7 @@ impl Vsock {
         loop {
             set_notifications(active, TXQ_INDEX, false);
             let tx = drain_tx(active, &mut self.muxer);
-            let rx = fill_rx(active, &mut self.muxer);
+            let rx = rx_open && fill_rx(active, &mut self.muxer);
             tx_used |= tx.used;
             rx_used |= rx;
             // RX kicks stay on: with EVENT_IDX the driver kicks only past the avail_event the
@@ -504,5 +588,46 @@ impl VirtioDevice for Vsock {
     /// thread. The device stays inert after a driver reset (as in Firecracker).
     fn reset(&mut self) -> bool {
         false
+    }
+
+    /// The rx, tx and event queues' positions. No chain is held between events (see the module
+    /// documentation), so none is skipped.
+    fn queue_positions(&self) -> Vec<QueuePosition> {
+        self.active
+            .iter()
+            .flat_map(|active| active.queues.iter().map(QueuePosition::of))
+            .collect()
+    }
+
+    fn device_state(&self) -> DeviceState {
+        DeviceState::Vsock {
+            guest_cid: self.guest_cid,
+        }
+    }
+
+    /// Any vsock state is accepted: connections are not restored, and the driver re-reads the
+    /// guest CID when it handles TRANSPORT_RESET (virtio 1.2 §5.10.6.6), so the CID may change.
+    fn check_restore(&self, saved: &DeviceState) -> Result<(), String> {
+        match saved {
+            DeviceState::Vsock { guest_cid } => {
+                if *guest_cid != self.guest_cid {
+                    tracing::info!(
+                        "vsock: guest CID changes from {guest_cid} to {} on restore",
+                        self.guest_cid
+                    );
+                }
+                Ok(())
+            }
+            other => Err(format!(
+                "the snapshot's device is {other:?}, this VM's is vsock"
+            )),
+        }
+    }
+
+    /// Owes the guest a TRANSPORT_RESET event (its connections' host ends are gone) and holds
+    /// packets for it until it has handled the event.
+    fn restored(&mut self) {
+        self.reset_event_pending = true;
+        self.rx_hold_until = Some(Instant::now() + RESET_ACK_TIMEOUT);
     }
 }

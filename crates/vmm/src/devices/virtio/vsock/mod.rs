@@ -32,12 +32,16 @@
 //! - **guest → host**: a guest connection to CID 2, port P is connected to the Unix socket
 //!   `<uds_path>_P`, where host software listens. RESPONSE if the connect succeeds, RST if not.
 //!
-//! # The event queue
+//! # The event queue and snapshots
 //!
-//! The only event virtio 1.2 defines is TRANSPORT_RESET, which tells the driver its connections
-//! are gone (used after a snapshot restore changes the CID). This device has neither snapshots nor
-//! device reset ([`VirtioDevice::reset`] returns `false`), so it never sends one: buffers posted on
-//! the event queue stay there.
+//! The only event virtio 1.2 defines is TRANSPORT_RESET (§5.10.6.6), which tells the driver its
+//! connections are gone. Host-side connections are not saved in a snapshot (their Unix sockets
+//! belong to the process that took it), so a device restored from one sends this event once
+//! ([`reset_event`]): the guest resets its connected sockets (listening ones survive) and
+//! re-reads its CID. Until the guest has handled it (it re-posts the event buffer and notifies),
+//! or [`RESET_ACK_TIMEOUT`] passes, the device holds packets for the guest, so a connection made
+//! right after the restore is not reset with the old ones. Otherwise buffers posted on the event
+//! queue stay there; the device has no device reset ([`VirtioDevice::reset`] returns `false`).
 //!
 //! # Module layout
 //! - [`device`]: the [`Vsock`] device — features, configuration space, activation, queue draining.
@@ -45,6 +49,7 @@
 //! - `muxer`: the Unix listener, the connection table and the queue of packets for the guest.
 //! - `connection`: one connection's state machine and credit accounting.
 //! - [`packet`]: the packet header and protocol constants.
+//! - [`reset_event`]: the TRANSPORT_RESET event a restored device sends.
 //!
 //! [`VirtioDevice::reset`]: super::VirtioDevice::reset
 
@@ -57,6 +62,7 @@ pub mod device;
 pub mod event_handler;
 mod muxer;
 pub mod packet;
+pub mod reset_event;
 mod unix;
 
 #[cfg(test)]
@@ -107,6 +113,11 @@ pub const FIRST_LOCAL_PORT: u32 = 1 << 30;
 pub const MAX_CONNECT_LINE: usize = 32;
 /// RSTs waiting for RX buffers beyond which the device stops reading the TX queue.
 pub const RST_BACKLOG_LIMIT: usize = 32;
+/// How long a restored device holds packets for the guest while waiting for it to acknowledge
+/// the TRANSPORT_RESET event (5 s), counted from when the event loop first sees the device. A
+/// Linux guest acknowledges within milliseconds of running; the bound keeps a guest that never
+/// does (no event buffer posted, another driver) from losing its host connections for good.
+pub const RESET_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Errors from creating the vsock device.
 #[derive(Debug, thiserror::Error)]

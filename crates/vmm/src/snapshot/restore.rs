@@ -1,0 +1,235 @@
+//! Restoring a VM from a snapshot directory into a new [`Vmm`].
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::{format, memory, Error, VmSnapshot, MEMORY_FILE, STATE_FILE};
+use crate::arch;
+use crate::builder::{self, VmParts};
+use crate::config::{SerialOutput, ShareConfig, VmConfig};
+use crate::vmm::{BootTimeline, Vmm};
+use crate::vstate::kvm::{KvmContext, KVM_PATH};
+use crate::vstate::vm::Vm;
+
+/// What a restore takes from its caller rather than from the snapshot: the host-side ends of
+/// the VM, which belong to the new VMM process.
+#[derive(Debug, Clone, Default)]
+pub struct RestoreConfig {
+    /// The snapshot directory (`state` and `memory`).
+    pub dir: PathBuf,
+    /// The vsock device's host socket; required when the snapshot has a vsock device.
+    pub vsock_uds: Option<PathBuf>,
+    /// The serial console's output.
+    pub serial: SerialOutput,
+    /// The debug port's output file.
+    pub debugcon: Option<PathBuf>,
+    /// The host directory of each virtio-fs share of the snapshot, by tag (every saved tag,
+    /// no others).
+    pub shares: Vec<ShareConfig>,
+    /// Guest RAM the caller expects, MiB; a snapshot of another size is refused.
+    pub memory_mib: Option<u32>,
+    /// vCPUs the caller expects; a snapshot with another count is refused.
+    pub vcpus: Option<u8>,
+}
+
+/// Restores the snapshot in `config.dir` using `/dev/kvm`.
+///
+/// # Errors
+/// As [`restore_with_kvm`].
+pub fn restore(config: &RestoreConfig) -> Result<Vmm, Error> {
+    restore_with_kvm(config, Path::new(KVM_PATH))
+}
+
+/// Restores the snapshot in `config.dir` with the KVM device node at `kvm_path`: checks the
+/// state file (format, version, architecture, digest) and that this host's CPU offers what the
+/// saved CPUID advertises, maps the memory file copy-on-write, builds the VM's devices as a boot
+/// would, then puts the saved state into KVM and the devices. The returned VM resumes where the
+/// snapshot paused it once [`Vmm::run`] starts it.
+///
+/// # Errors
+/// [`Error::Format`] (missing, truncated, corrupt or foreign state file), [`Error::Mismatch`]
+/// (the restore asks for something the snapshot is not), [`Error::Memory`], [`Error::VmState`],
+/// [`Error::Device`], [`Error::Build`]. Nothing is left running and no file is created when it
+/// fails, except the vsock socket's which the failed build removes.
+pub fn restore_with_kvm(config: &RestoreConfig, kvm_path: &Path) -> Result<Vmm, Error> {
+    let mut timeline = BootTimeline {
+        build_started: Some(Instant::now()),
+        ..Default::default()
+    };
+    let snapshot: VmSnapshot = format::read_file(&config.dir.join(STATE_FILE))?;
+    let vm_config = merge_config(&snapshot, config)?;
+    check_counts(&snapshot, &vm_config)?;
+    let kvm = KvmContext::open(kvm_path).map_err(|e| build_err(e.into()))?;
+    check_host(&kvm, &snapshot)?;
+    let mem = memory::map_private(
+        &config.dir.join(MEMORY_FILE),
+        &snapshot.memory,
+        arch::arch_memory_regions,
+    )?;
+    let total: u64 = snapshot.memory.iter().map(|r| r.size).sum();
+    if total != u64::from(vm_config.memory_mib) << 20 {
+        return Err(Error::Mismatch(format!(
+            "the memory file holds {} MiB, the saved configuration says {} MiB",
+            total >> 20,
+            vm_config.memory_mib
+        )));
+    }
+    let vm = Vm::new(&kvm, &mem).map_err(|e| build_err(e.into()))?;
+    restore_vm_state(&vm, &snapshot)?;
+    timeline.vm_created = Some(Instant::now());
+    let mut parts = VmParts::new(&vm_config, kvm, vm, mem, timeline).map_err(build_err)?;
+    restore_devices(&parts, &snapshot)?;
+    restore_vcpus(&parts, &snapshot)?;
+    parts.timeline.payload_loaded = Some(Instant::now());
+    let vmm = parts.finish(true).map_err(build_err)?;
+    vmm.persist
+        .legacy
+        .restore(&snapshot.legacy)
+        .map_err(|reason| Error::Device {
+            index: usize::MAX,
+            reason,
+        })?;
+    Ok(vmm)
+}
+
+fn build_err(e: builder::Error) -> Error {
+    Error::Build(Box::new(e))
+}
+
+/// The saved configuration with the caller's host-side paths.
+fn merge_config(snapshot: &VmSnapshot, config: &RestoreConfig) -> Result<VmConfig, Error> {
+    let mut merged = snapshot.config.clone();
+    merged.serial = config.serial.clone();
+    merged.debugcon = config.debugcon.clone();
+    if let Some(mib) = config.memory_mib.filter(|&m| m != merged.memory_mib) {
+        return Err(Error::Mismatch(format!(
+            "the snapshot has {} MiB of guest memory, not {mib} MiB; a restore cannot change it",
+            merged.memory_mib
+        )));
+    }
+    if let Some(n) = config.vcpus.filter(|&n| n != merged.vcpus) {
+        return Err(Error::Mismatch(format!(
+            "the snapshot has {} vCPUs, not {n}; a restore cannot change them",
+            merged.vcpus
+        )));
+    }
+    match (&mut merged.vsock, &config.vsock_uds) {
+        (Some(vsock), Some(path)) => vsock.uds_path = path.clone(),
+        (None, None) => {}
+        (Some(_), None) => {
+            return Err(Error::Mismatch(
+                "the snapshot has a vsock device: give its host socket path".into(),
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Error::Mismatch(
+                "the snapshot has no vsock device; a restore cannot add one".into(),
+            ))
+        }
+    }
+    merged.shares = merge_shares(&snapshot.config.shares, &config.shares)?;
+    merged.validate().map_err(|e| build_err(e.into()))?;
+    Ok(merged)
+}
+
+/// The saved shares in their saved order, each with the caller's directory.
+fn merge_shares(saved: &[ShareConfig], given: &[ShareConfig]) -> Result<Vec<ShareConfig>, Error> {
+    fn tags(shares: &[ShareConfig]) -> Vec<&str> {
+        let mut t: Vec<&str> = shares.iter().map(|s| s.tag.as_str()).collect();
+        t.sort_unstable();
+        t
+    }
+    if tags(saved) != tags(given) {
+        return Err(Error::Mismatch(format!(
+            "the snapshot's virtio-fs tags are {:?}; the restore gives {:?} (every tag needs a \
+             directory, and no new device can be added)",
+            tags(saved),
+            tags(given)
+        )));
+    }
+    Ok(saved
+        .iter()
+        .filter_map(|s| given.iter().find(|g| g.tag == s.tag).cloned())
+        .collect())
+}
+
+/// The state lists as many vCPUs and devices as the configuration builds.
+fn check_counts(snapshot: &VmSnapshot, config: &VmConfig) -> Result<(), Error> {
+    if snapshot.vcpus.len() != usize::from(config.vcpus) {
+        return Err(Error::Mismatch(format!(
+            "the state has {} vCPUs, its configuration {}",
+            snapshot.vcpus.len(),
+            config.vcpus
+        )));
+    }
+    let devices = usize::from(config.vsock.is_some()) + config.disks.len() + config.shares.len();
+    if snapshot.devices.len() != devices {
+        return Err(Error::Mismatch(format!(
+            "the state has {} virtio devices, its configuration {devices}",
+            snapshot.devices.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
+    if usize::from(snapshot.config.vcpus) > kvm.max_vcpus() {
+        return Err(Error::Mismatch(format!(
+            "the snapshot has {} vCPUs; this host's KVM allows {}",
+            snapshot.config.vcpus,
+            kvm.max_vcpus()
+        )));
+    }
+    for vcpu in &snapshot.vcpus {
+        arch::x86_64::persist::check_cpuid(kvm.kvm(), &vcpu.cpuid)
+            .map_err(|e| Error::Mismatch(e.to_string()))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn check_host(_kvm: &KvmContext, _snapshot: &VmSnapshot) -> Result<(), Error> {
+    Err(Error::Unsupported)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn restore_vm_state(vm: &Vm, snapshot: &VmSnapshot) -> Result<(), Error> {
+    arch::x86_64::persist::restore_vm(vm.fd(), &snapshot.vm)
+        .map_err(|e| Error::VmState(e.to_string()))
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn restore_vm_state(_vm: &Vm, _snapshot: &VmSnapshot) -> Result<(), Error> {
+    Err(Error::Unsupported)
+}
+
+/// Puts each transport's saved registers and queues back, in registration order.
+fn restore_devices(parts: &VmParts, snapshot: &VmSnapshot) -> Result<(), Error> {
+    for (index, (transport, state)) in parts.transports().iter().zip(&snapshot.devices).enumerate()
+    {
+        transport
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .restore(state)
+            .map_err(|e| Error::Device {
+                index,
+                reason: e.to_string(),
+            })?;
+    }
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn restore_vcpus(parts: &VmParts, snapshot: &VmSnapshot) -> Result<(), Error> {
+    for (id, (fd, state)) in parts.vcpu_fds().iter().zip(&snapshot.vcpus).enumerate() {
+        arch::x86_64::persist::restore_vcpu(fd, state)
+            .map_err(|e| Error::Vcpu(format!("vCPU {id}: {e}")))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn restore_vcpus(_parts: &VmParts, _snapshot: &VmSnapshot) -> Result<(), Error> {
+    Err(Error::Unsupported)
+}
