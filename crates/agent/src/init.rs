@@ -120,7 +120,8 @@ fn console_on_std_fds() {
     }
 }
 
-fn set_hostname(name: &str) -> io::Result<()> {
+/// `sethostname(2)`; `name` must already be valid (see `bulkhead_protocol::boot::check_hostname`).
+pub(crate) fn set_hostname(name: &str) -> io::Result<()> {
     // SAFETY: `name` points to `name.len()` readable bytes for the duration of the call.
     if unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) } != 0 {
         return Err(io::Error::last_os_error());

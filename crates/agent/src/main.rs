@@ -9,7 +9,8 @@
 //!   --workspace-lower DIR] [--egress-listen ADDR --egress-unix PATH]`: serve the same protocol
 //!   on a Unix socket, without PID-1 duties (test mode); the workspace flags name directories
 //!   laid out like an overlay's upper and lower layers, whose change set `WorkspaceChanges` then
-//!   reports; the egress flags run the egress relay from a TCP address to a Unix socket.
+//!   reports; the egress flags run the egress relay from a TCP address to a Unix socket. A
+//!   `Restored` request is checked and acknowledged there, but changes nothing on the host.
 
 mod early;
 
@@ -19,7 +20,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
-use bulkhead_agent::{clock, egress, init, log, mounts, reaper, rootfs, vsock, workspace};
+use bulkhead_agent::{clock, egress, init, log, mounts, reaper, restore, rootfs, vsock, workspace};
 use bulkhead_protocol::boot::BootParams;
 use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
 
@@ -117,6 +118,8 @@ fn fatal(what: &str, error: &dyn std::fmt::Display) -> ! {
 
 fn run_pid1(started: BootTimestamps) -> ! {
     init::setup();
+    // This is the guest: a `Restored` request may change its entropy pool, clock and hostname.
+    restore::apply_to_kernel();
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     let params = BootParams::parse(&cmdline).unwrap_or_else(|e| fatal("boot parameters", &e));
     init::hostname(params.hostname.as_deref());

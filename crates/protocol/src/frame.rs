@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::messages::{
     Ack, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest,
-    Ready, ShutdownRequest, SignalRequest, Started,
+    Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started,
 };
 use crate::workspace::{ChangeRecord, ChangesEnd, WorkspaceChangesRequest};
 use crate::MAX_FRAME;
@@ -91,6 +91,8 @@ pub enum FrameType {
     Shutdown = 0x05,
     /// Host → guest, JSON [`WorkspaceChangesRequest`].
     WorkspaceChanges = 0x06,
+    /// Host → guest, JSON [`RestoredRequest`]: the VM was just restored from a snapshot.
+    Restored = 0x07,
     /// Guest → host, JSON [`Started`].
     Started = 0x10,
     /// Host → guest, raw bytes for the command's stdin.
@@ -120,13 +122,14 @@ pub enum FrameType {
 }
 
 impl FrameType {
-    const ALL: [FrameType; 19] = [
+    const ALL: [FrameType; 20] = [
         Self::Ready,
         Self::Exec,
         Self::FileWrite,
         Self::FileRead,
         Self::Shutdown,
         Self::WorkspaceChanges,
+        Self::Restored,
         Self::Started,
         Self::Stdin,
         Self::StdinEof,
@@ -179,6 +182,8 @@ pub enum Frame {
     Shutdown(ShutdownRequest),
     /// See [`FrameType::WorkspaceChanges`].
     WorkspaceChanges(WorkspaceChangesRequest),
+    /// See [`FrameType::Restored`].
+    Restored(RestoredRequest),
     /// See [`FrameType::Started`].
     Started(Started),
     /// See [`FrameType::Stdin`].
@@ -222,6 +227,7 @@ impl Frame {
             Self::FileRead(_) => FrameType::FileRead,
             Self::Shutdown(_) => FrameType::Shutdown,
             Self::WorkspaceChanges(_) => FrameType::WorkspaceChanges,
+            Self::Restored(_) => FrameType::Restored,
             Self::Started(_) => FrameType::Started,
             Self::Stdin(_) => FrameType::Stdin,
             Self::StdinEof => FrameType::StdinEof,
@@ -251,6 +257,7 @@ impl Frame {
             Self::FileRead(m) => encode_json(FrameType::FileRead, m, out),
             Self::Shutdown(m) => encode_json(FrameType::Shutdown, m, out),
             Self::WorkspaceChanges(m) => encode_json(FrameType::WorkspaceChanges, m, out),
+            Self::Restored(m) => encode_json(FrameType::Restored, m, out),
             Self::Started(m) => encode_json(FrameType::Started, m, out),
             Self::Signal(m) => encode_json(FrameType::Signal, m, out),
             Self::Exit(m) => encode_json(FrameType::Exit, m, out),
@@ -289,6 +296,7 @@ impl Frame {
             FrameType::FileRead => Self::FileRead(json(kind, &payload)?),
             FrameType::Shutdown => Self::Shutdown(json(kind, &payload)?),
             FrameType::WorkspaceChanges => Self::WorkspaceChanges(json(kind, &payload)?),
+            FrameType::Restored => Self::Restored(json(kind, &payload)?),
             FrameType::Started => Self::Started(json(kind, &payload)?),
             FrameType::Signal => Self::Signal(json(kind, &payload)?),
             FrameType::Exit => Self::Exit(json(kind, &payload)?),

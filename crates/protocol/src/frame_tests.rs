@@ -50,6 +50,13 @@ fn every_kind_of_frame() -> Vec<Frame> {
             path: "/a".into(),
         }),
         Frame::Shutdown(ShutdownRequest { version: 1 }),
+        Frame::Restored(RestoredRequest {
+            version: 1,
+            entropy: (0..=255).collect(),
+            realtime_ns: 1_700_000_000_123_456_789,
+            hostname: Some("clone-2".into()),
+        }),
+        Frame::Restored(RestoredRequest::new(vec![0; 32], u64::MAX)),
         Frame::Started(Started { pid: 42 }),
         Frame::Stdin(b"in".to_vec()),
         Frame::StdinEof,
@@ -78,6 +85,68 @@ fn every_frame_type_round_trips() {
 
     // Assert
     assert_eq!(back, frames);
+}
+
+#[test]
+fn restored_is_frame_type_0x07_with_a_json_payload() {
+    // Arrange
+    let frame = Frame::Restored(RestoredRequest::new(vec![0xab; 32], 42));
+
+    // Act
+    let wire = frame.encode().unwrap();
+    let payload: serde_json::Value = serde_json::from_slice(&wire[HEADER_LEN..]).unwrap();
+
+    // Assert
+    assert_eq!(wire[4], 0x07);
+    assert_eq!(FrameType::from_byte(0x07), Some(FrameType::Restored));
+    assert_eq!(payload["entropy"], "ab".repeat(32));
+    assert_eq!(payload["realtime_ns"], 42);
+    assert_eq!(payload["version"], PROTOCOL_VERSION);
+}
+
+#[test]
+fn restored_without_a_hostname_decodes_with_none() {
+    // Arrange: what a host that leaves the hostname alone may send.
+    let mut wire = Vec::new();
+    let json = br#"{"version":1,"entropy":"00ff","realtime_ns":7}"#;
+    encode_raw(FrameType::Restored, json, &mut wire).unwrap();
+
+    // Act
+    let frame = read_frame(&mut Cursor::new(wire)).unwrap().unwrap();
+
+    // Assert
+    assert_eq!(
+        frame,
+        Frame::Restored(RestoredRequest {
+            version: 1,
+            entropy: vec![0x00, 0xff],
+            realtime_ns: 7,
+            hostname: None,
+        })
+    );
+}
+
+#[test]
+fn restored_with_entropy_that_is_not_hex_is_rejected() {
+    // Arrange
+    let mut wire = Vec::new();
+    let json = br#"{"version":1,"entropy":"0g","realtime_ns":7}"#;
+    encode_raw(FrameType::Restored, json, &mut wire).unwrap();
+
+    // Act
+    let err = read_frame(&mut Cursor::new(wire)).unwrap_err();
+
+    // Assert
+    assert!(
+        matches!(
+            err,
+            FrameError::BadJson {
+                kind: FrameType::Restored,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]

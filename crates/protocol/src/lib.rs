@@ -13,8 +13,8 @@
 //! rest, a `u8` frame type and a payload. Control messages ([`messages`]) carry JSON; data
 //! frames (stdout, stderr, stdin, file contents) carry raw bytes, never decoded.
 //! Each connection carries exactly one request (an exec, a file write, a file read, a
-//! shutdown or a workspace change set, [`workspace`]); several commands at once use several
-//! connections.
+//! shutdown, a workspace change set, [`workspace`], or the news that the VM was restored from a
+//! snapshot, [`RestoredRequest`]); several commands at once use several connections.
 //!
 //! The full wire format, with every sequence and error case, is in `docs/agent-protocol.md`.
 //!
@@ -32,7 +32,8 @@ pub mod workspace;
 pub use frame::{read_frame, write_frame, Frame, FrameDecoder, FrameError, FrameType};
 pub use messages::{
     Ack, BootTimestamps, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest,
-    FileWriteRequest, Ready, ShutdownRequest, SignalRequest, Started,
+    FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started,
+    MAX_RESTORE_ENTROPY, MIN_RESTORE_ENTROPY,
 };
 pub use workspace::{
     ChangeRecord, ChangeStatus, ChangesEnd, EntryKind, SkippedEntry, WorkspaceChangesRequest,

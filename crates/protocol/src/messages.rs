@@ -4,6 +4,8 @@
 //! ignored (so a newer peer may add fields); fields marked optional below may be left out.
 //! Requests from the host carry `version` ([`crate::PROTOCOL_VERSION`]).
 
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
 
 use crate::PROTOCOL_VERSION;
@@ -233,7 +235,102 @@ pub struct ShutdownRequest {
     pub version: u32,
 }
 
-/// Positive answer to a file write or a shutdown.
+/// Fewest bytes of host randomness a [`RestoredRequest`] carries: 32 bytes = 256 bits, a full
+/// seed of the kernel's ChaCha20 CRNG (`drivers/char/random.c`).
+pub const MIN_RESTORE_ENTROPY: usize = 32;
+
+/// Most bytes of host randomness a [`RestoredRequest`] carries: 512 bytes = 4096 bits, the size
+/// of the kernel's input pool before Linux 5.18 (`drivers/char/random.c`), so every bit can be
+/// credited.
+pub const MAX_RESTORE_ENTROPY: usize = 512;
+
+/// Tells the agent that its VM was just restored from a snapshot (possibly one of many clones
+/// of it), so that the guest becomes a distinct machine: the agent mixes `entropy` into the
+/// kernel's random pool and reseeds its CRNG (every clone of a snapshot resumes with the same
+/// CRNG state), sets `CLOCK_REALTIME` to `realtime_ns` (the guest's wall clock is as old as the
+/// snapshot otherwise) and, when given, the hostname. Answered with `Ack` once all of it is
+/// done, or with an `Error` naming the step that failed. An agent older than this request
+/// answers with an `Error` of class [`ErrorCode::Protocol`] (unknown frame type).
+///
+/// On the wire `entropy` is a string of lower-case hex digits, two per byte (upper-case digits
+/// are accepted too). `Debug` shows its length, never its bytes.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoredRequest {
+    /// Must be [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// [`MIN_RESTORE_ENTROPY`]`..=`[`MAX_RESTORE_ENTROPY`] bytes of host randomness (e.g. from
+    /// `getrandom(2)`), fresh for each restore; the agent credits all of it as entropy.
+    #[serde(with = "hex_bytes")]
+    pub entropy: Vec<u8>,
+    /// The host's `CLOCK_REALTIME` when it sent the request, in ns since the Unix epoch
+    /// (`clock_gettime(2)`); not 0.
+    pub realtime_ns: u64,
+    /// New hostname (1-64 characters of `[A-Za-z0-9.-]`, as for `bulkhead.hostname=`); the
+    /// hostname stays as it was when absent.
+    #[serde(default)]
+    pub hostname: Option<String>,
+}
+
+impl RestoredRequest {
+    /// A request with this protocol's version that keeps the hostname.
+    pub fn new(entropy: Vec<u8>, realtime_ns: u64) -> Self {
+        Self {
+            version: PROTOCOL_VERSION,
+            entropy,
+            realtime_ns,
+            hostname: None,
+        }
+    }
+}
+
+impl fmt::Debug for RestoredRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RestoredRequest")
+            .field("version", &self.version)
+            .field("entropy", &format_args!("<{} bytes>", self.entropy.len()))
+            .field("realtime_ns", &self.realtime_ns)
+            .field("hostname", &self.hostname)
+            .finish()
+    }
+}
+
+/// Bytes as a JSON string of hex digits (`serde(with)` helper for [`RestoredRequest::entropy`]).
+mod hex_bytes {
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        let mut text = String::with_capacity(bytes.len() * 2);
+        for b in bytes {
+            text.push(char::from(DIGITS[usize::from(b >> 4)]));
+            text.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+        }
+        serializer.serialize_str(&text)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        decode(&text).ok_or_else(|| D::Error::custom("expected a string of hex digit pairs"))
+    }
+
+    fn decode(text: &str) -> Option<Vec<u8>> {
+        if text.len() % 2 != 0 {
+            return None;
+        }
+        text.as_bytes()
+            .chunks_exact(2)
+            .map(|pair| Some(nibble(pair[0])? << 4 | nibble(pair[1])?))
+            .collect()
+    }
+
+    fn nibble(digit: u8) -> Option<u8> {
+        char::from(digit).to_digit(16).map(|d| d as u8)
+    }
+}
+
+/// Positive answer to a file write, a shutdown or a restore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ack {
     /// Bytes written, for a file write; 0 otherwise.
@@ -307,6 +404,63 @@ mod tests {
         for (err, code) in cases {
             assert_eq!(ErrorCode::of_io(&err), code, "{err}");
         }
+    }
+
+    #[test]
+    fn restored_entropy_travels_as_hex_and_round_trips() {
+        // Arrange
+        let mut req = RestoredRequest::new(vec![0x00, 0x01, 0xab, 0xff], 1_700_000_000_000_000_000);
+        req.hostname = Some("clone-7".into());
+
+        // Act
+        let json = serde_json::to_string(&req).unwrap();
+        let back: RestoredRequest = serde_json::from_str(&json).unwrap();
+
+        // Assert
+        assert!(json.contains(r#""entropy":"0001abff""#), "{json}");
+        assert_eq!(back, req);
+    }
+
+    #[test]
+    fn restored_without_hostname_keeps_it_and_upper_case_hex_is_accepted() {
+        // Arrange
+        let json = r#"{"version":1,"entropy":"ABcd","realtime_ns":5}"#;
+
+        // Act
+        let req: RestoredRequest = serde_json::from_str(json).unwrap();
+
+        // Assert
+        assert_eq!(req.entropy, [0xab, 0xcd]);
+        assert_eq!(req.hostname, None);
+    }
+
+    #[test]
+    fn restored_entropy_that_is_not_hex_pairs_is_rejected() {
+        // Arrange
+        let odd = r#"{"version":1,"entropy":"abc","realtime_ns":5}"#;
+        let not_hex = r#"{"version":1,"entropy":"zz","realtime_ns":5}"#;
+        let array = r#"{"version":1,"entropy":[1,2],"realtime_ns":5}"#;
+
+        // Act
+        let results = [odd, not_hex, array].map(serde_json::from_str::<RestoredRequest>);
+
+        // Assert
+        for result in results {
+            assert!(result.is_err(), "{result:?}");
+        }
+    }
+
+    #[test]
+    fn restored_debug_output_hides_the_entropy() {
+        // Arrange
+        let req = RestoredRequest::new(vec![0x5a; 32], 1);
+
+        // Act
+        let shown = format!("{req:?}");
+
+        // Assert
+        assert!(shown.contains("<32 bytes>"), "{shown}");
+        assert!(!shown.contains("90"), "{shown}");
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub use workspace::{ChangeEvent, ChangeStream, CHANGES_READ_TIMEOUT};
 
 use crate::frame::{encode_raw, read_frame, write_frame, Frame, FrameError, FrameType};
 use crate::messages::{
-    ErrorMessage, ExecRequest, FileReadRequest, FileWriteRequest, ShutdownRequest,
+    ErrorMessage, ExecRequest, FileReadRequest, FileWriteRequest, RestoredRequest, ShutdownRequest,
 };
 use crate::{AGENT_PORT, DATA_CHUNK, PROTOCOL_VERSION};
 
@@ -279,6 +279,26 @@ impl AgentClient {
             Err(e) => Err(classify(e)),
         }
     }
+
+    /// Tells the agent that the VM was just restored from a snapshot (see [`RestoredRequest`]):
+    /// it reseeds the guest's random number generator with `request.entropy`, sets the guest's
+    /// wall clock and, when given, its hostname. Succeeds only on the agent's `Ack`, sent once
+    /// all of that is done; an `Error` frame is [`ClientError::Agent`] (an agent older than this
+    /// request answers with one of class [`crate::ErrorCode::Protocol`]), and a connection
+    /// closed without an answer is [`ClientError::Closed`] (nothing says the guest changed).
+    pub fn restored(&self, request: &RestoredRequest) -> Result<(), ClientError> {
+        let mut stream = self.connect()?;
+        write_frame(&mut stream, &Frame::Restored(request.clone())).map_err(classify)?;
+        match read_frame(&mut stream).map_err(classify)? {
+            Some(Frame::Ack(_)) => Ok(()),
+            Some(Frame::Error(e)) => Err(ClientError::Agent(e)),
+            Some(other) => Err(ClientError::Unexpected {
+                expected: "Ack or Error",
+                got: other.kind(),
+            }),
+            None => Err(ClientError::Closed("acknowledging the restore")),
+        }
+    }
 }
 
 /// Sends the FileWrite request, the contents as Data frames, and End.
@@ -313,5 +333,105 @@ fn agent_reason(stream: &mut UnixStream) -> Option<ClientError> {
     match read_frame(stream) {
         Ok(Some(Frame::Error(e))) => Some(ClientError::Agent(e)),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+    use std::thread;
+
+    use super::*;
+    use crate::messages::Ack;
+    use crate::ErrorCode;
+
+    /// A fake agent on a Unix socket that answers one request with `frames`, then closes.
+    fn fake_agent(
+        frames: Vec<Frame>,
+    ) -> (tempfile::TempDir, AgentClient, thread::JoinHandle<Frame>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let request = read_frame(&mut conn).unwrap().unwrap();
+            for frame in &frames {
+                write_frame(&mut conn, frame).unwrap();
+            }
+            request
+        });
+        (dir, AgentClient::unix(path), server)
+    }
+
+    fn restored_request() -> RestoredRequest {
+        let mut request = RestoredRequest::new((0..32).collect(), 1_700_000_000_123_456_789);
+        request.hostname = Some("clone-1".into());
+        request
+    }
+
+    #[test]
+    fn restored_sends_the_request_and_succeeds_on_ack() {
+        // Arrange
+        let (_dir, client, agent) = fake_agent(vec![Frame::Ack(Ack { bytes: 0 })]);
+        let request = restored_request();
+
+        // Act
+        let result = client.restored(&request);
+
+        // Assert
+        assert!(result.is_ok(), "{result:?}");
+        assert_eq!(agent.join().unwrap(), Frame::Restored(request));
+    }
+
+    #[test]
+    fn restored_fails_on_an_error_frame_with_the_agents_reason() {
+        // Arrange
+        let (_dir, client, _agent) = fake_agent(vec![Frame::error(
+            ErrorCode::InvalidRequest,
+            "entropy of 4 bytes",
+        )]);
+
+        // Act
+        let result = client.restored(&restored_request());
+
+        // Assert
+        assert!(
+            matches!(&result, Err(ClientError::Agent(e))
+                if e.code == ErrorCode::InvalidRequest && e.message == "entropy of 4 bytes"),
+            "{result:?}"
+        );
+    }
+
+    #[test]
+    fn restored_fails_when_the_agent_closes_without_an_answer() {
+        // Arrange
+        let (_dir, client, _agent) = fake_agent(Vec::new());
+
+        // Act
+        let result = client.restored(&restored_request());
+
+        // Assert
+        assert!(matches!(result, Err(ClientError::Closed(_))), "{result:?}");
+    }
+
+    #[test]
+    fn restored_fails_on_a_frame_that_is_no_answer() {
+        // Arrange
+        let (_dir, client, _agent) = fake_agent(vec![Frame::End]);
+
+        // Act
+        let result = client.restored(&restored_request());
+
+        // Assert
+        assert!(
+            matches!(
+                result,
+                Err(ClientError::Unexpected {
+                    got: FrameType::End,
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
     }
 }
