@@ -12,3 +12,4 @@ mod jail;
 mod run;
 mod run_export;
 mod sandbox_api;
+mod snapshot;

@@ -36,6 +36,7 @@ pub mod paths;
 pub mod phases;
 mod process;
 mod sandbox;
+pub mod snapshot;
 pub mod spec;
 pub mod storage;
 mod vmm_process;

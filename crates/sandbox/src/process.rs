@@ -1,6 +1,7 @@
 //! The `bulkhead-vmm` child process: spawning it, waiting for "agent ready or VMM exited" without
 //! polling, and stopping it.
 
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -29,11 +30,11 @@ pub(crate) struct SpawnOptions<'a> {
     pub extra_args: &'a [std::ffi::OsString],
 }
 
-/// Spawns `vmm --config <config> [--timings-json <file>] [--exit-file <file>] [extra args]`
-/// with stdout/stderr appended to `log`.
+/// Spawns `vmm <launch> [--timings-json <file>] [--exit-file <file>] [extra args]` (`launch`:
+/// `--config FILE`, or `--restore DIR ...`) with stdout/stderr appended to `log`.
 pub(crate) fn spawn_vmm(
     vmm: &Path,
-    config: &Path,
+    launch: &[&OsStr],
     log: &Path,
     options: SpawnOptions<'_>,
 ) -> io::Result<Child> {
@@ -44,8 +45,7 @@ pub(crate) fn spawn_vmm(
         .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", log.display())))?;
     let err = out.try_clone()?;
     let mut cmd = Command::new(vmm);
-    cmd.arg("--config")
-        .arg(config)
+    cmd.args(launch)
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
@@ -286,7 +286,13 @@ mod tests {
             // SAFETY: gettid takes no arguments and cannot fail.
             let tid = unsafe { libc::gettid() };
             (
-                spawn_vmm(&vmm_path, Path::new("cfg"), &log, options).unwrap(),
+                spawn_vmm(
+                    &vmm_path,
+                    &[OsStr::new("--config"), OsStr::new("cfg")],
+                    &log,
+                    options,
+                )
+                .unwrap(),
                 tid,
             )
         });

@@ -1,5 +1,6 @@
 //! [`Sandbox`]: one microVM with a guest agent, driven from the host.
 
+use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io;
 use std::os::fd::OwnedFd;
@@ -138,6 +139,9 @@ pub enum Error {
     /// an extra kernel parameter uses the agent's `bulkhead.` keys.
     #[error("{0}")]
     BootParams(String),
+    /// A snapshot could not be taken or restored (see [`crate::snapshot`]).
+    #[error("snapshot: {0}")]
+    Snapshot(String),
 }
 
 /// What a sandbox boots and with which resources.
@@ -218,17 +222,25 @@ pub struct SandboxState {
 /// A running microVM with its guest agent ready.
 #[derive(Debug)]
 pub struct Sandbox {
-    dir: Option<PathBuf>,
-    child: Option<VmmProcess>,
-    uds_path: PathBuf,
-    ready: Ready,
-    timings: Timings,
+    pub(crate) dir: Option<PathBuf>,
+    pub(crate) child: Option<VmmProcess>,
+    pub(crate) uds_path: PathBuf,
+    pub(crate) ready: Ready,
+    pub(crate) timings: Timings,
     /// The VMM's timeline, for phases measured after the start.
-    clock: Option<PhaseClock>,
-    first_output: OnceLock<Instant>,
+    pub(crate) clock: Option<PhaseClock>,
+    pub(crate) first_output: OnceLock<Instant>,
     /// The egress proxy, when the sandbox has a network; stopped after the VMM.
-    egress: Option<EgressProxy>,
-    egress_log: Option<PathBuf>,
+    pub(crate) egress: Option<EgressProxy>,
+    pub(crate) egress_log: Option<PathBuf>,
+}
+
+/// The VMM's control socket in a runtime directory (`bulkhead-vmm --api-sock`).
+pub(crate) const API_SOCKET: &str = "api.sock";
+
+/// `--api-sock <dir>/api.sock`.
+fn api_sock_args(dir: &Path) -> Vec<OsString> {
+    vec!["--api-sock".into(), dir.join(API_SOCKET).into_os_string()]
 }
 
 impl Sandbox {
@@ -269,7 +281,8 @@ impl Sandbox {
         jail::make_vmm_dir(dir.path())?;
         let jail_args = match jail::active(config.jail) {
             true => Jail::prepare(dir.path(), &vm, &ready_path)?.args(),
-            false => Vec::new(),
+            // The control socket, for snapshots (not yet for jailed VMMs).
+            false => api_sock_args(dir.path()),
         };
         // Listening before the guest exists; stopped (dropped) if anything below fails.
         let egress = start_egress(config, dir.path(), &uds_path)?;
@@ -283,7 +296,8 @@ impl Sandbox {
             exit_file: Some(&exit_path),
             extra_args: &jail_args,
         };
-        let mut child = process::spawn_vmm(&config.vmm_binary, &config_path, &log_path, options)
+        let launch = [OsStr::new("--config"), config_path.as_os_str()];
+        let mut child = process::spawn_vmm(&config.vmm_binary, &launch, &log_path, options)
             .map_err(|source| Error::Spawn {
                 vmm: config.vmm_binary.clone(),
                 source,
@@ -667,7 +681,7 @@ fn check_boot_file(what: &'static str, path: &Path) -> Result<(), Error> {
     }
 }
 
-fn make_runtime_dir(parent: &Path) -> Result<tempfile::TempDir, Error> {
+pub(crate) fn make_runtime_dir(parent: &Path) -> Result<tempfile::TempDir, Error> {
     let err = |source| Error::RuntimeDir {
         path: parent.to_owned(),
         source,
@@ -791,12 +805,12 @@ fn install_egress_ca(client: &AgentClient, proxy: Option<&EgressProxy>) -> Resul
 
 /// The files a starting VMM writes: its log and its exit report.
 #[derive(Debug, Clone, Copy)]
-struct RunFiles<'a> {
-    log: &'a Path,
-    exit: &'a Path,
+pub(crate) struct RunFiles<'a> {
+    pub(crate) log: &'a Path,
+    pub(crate) exit: &'a Path,
 }
 
-fn wait_ready(
+pub(crate) fn wait_ready(
     listener: &UnixListener,
     child: &mut Child,
     files: RunFiles<'_>,
@@ -832,7 +846,7 @@ fn log_suffix(log: &str) -> String {
 
 /// The VMM's log tail for [`Error::VmExited`]; when it is empty and the VMM ended cleanly
 /// (`clean`), the guest rebooted by itself, and the text says what that usually means.
-fn log_or_explanation(log: String, clean: bool) -> String {
+pub(crate) fn log_or_explanation(log: String, clean: bool) -> String {
     if !log.trim().is_empty() || !clean {
         return log;
     }
@@ -843,7 +857,7 @@ fn log_or_explanation(log: String, clean: bool) -> String {
 }
 
 /// The last `count` lines of the file at `path`, read from at most its last [`TAIL_BYTES`].
-fn tail_lines(path: &Path, count: usize) -> String {
+pub(crate) fn tail_lines(path: &Path, count: usize) -> String {
     let text = match read_tail(path) {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
         Err(_) => String::new(),

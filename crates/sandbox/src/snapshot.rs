@@ -1,0 +1,318 @@
+//! Sandbox snapshots: save a running sandbox's VM to a directory ([`Sandbox::snapshot_into`])
+//! and start new sandboxes from it ([`Sandbox::restore`]), each a distinct machine.
+//!
+//! A snapshot directory holds the VMM's files (`state`, `memory`; see `bulkhead_vmm::snapshot`)
+//! and [`MANIFEST_FILE`], the sandbox-level facts a restore checks first ([`Manifest`]).
+//!
+//! A restored sandbox continues where the snapshot paused the guest: its processes, files in
+//! guest RAM (`/tmp`, the initramfs root) and kernel state are as they were. The host then
+//! tells the agent it was restored (`RestoredRequest`): the agent mixes host entropy into the
+//! guest's random pool and reseeds its CRNG (every clone starts with the snapshot's pool), sets
+//! the wall clock (frozen at the snapshot's time otherwise) and the hostname. What stays
+//! identical in every clone, and why that is acceptable: the kernel's boot ID
+//! (`/proc/sys/kernel/random/boot_id`: one boot, many resumes), its KASLR offset and the
+//! addresses of kernel and user mappings made before the snapshot (an attacker inside one clone
+//! learns them about the others, which share nothing else with it), and PIDs.
+//!
+//! Not yet: restoring into a jailed VMM (as root, set [`SandboxConfig::jail`] off), with mounts,
+//! a workspace or a network; each is refused with an error that says so.
+
+use std::fs;
+use std::io::{self, Read};
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bulkhead_protocol::client::AgentClient;
+use bulkhead_protocol::{Ready, RestoredRequest, PROTOCOL_VERSION};
+use bulkhead_vmm::control::{self, Request};
+use bulkhead_vmm::snapshot::SnapshotRequest;
+use serde::{Deserialize, Serialize};
+
+use crate::jail;
+use crate::phases::Timings;
+use crate::process::{self, SpawnOptions};
+use crate::sandbox::{
+    log_or_explanation, make_runtime_dir, tail_lines, Error, Sandbox, SandboxConfig, API_SOCKET,
+    EXIT_FILE,
+};
+use crate::vmm_process::{VmEnd, VmmProcess};
+
+/// The sandbox-level manifest in a snapshot directory.
+pub const MANIFEST_FILE: &str = "sandbox.json";
+
+/// Bytes of host entropy sent to a restored guest.
+const ENTROPY_BYTES: usize = 64;
+
+/// How long a snapshotted VMM gets to exit after writing the snapshot.
+const EXIT_AFTER_SNAPSHOT: Duration = Duration::from_secs(10);
+
+/// Pause between attempts to reach a restored guest's agent.
+const RETRY_PAUSE: Duration = Duration::from_millis(5);
+
+/// What a snapshot directory holds besides the VM (`sandbox.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// The bulkhead version that wrote it.
+    pub bulkhead_version: String,
+    /// When the snapshot was taken, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// Guest RAM, MiB.
+    pub memory_mib: u32,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// The agent's readiness announcement from the sandbox's boot.
+    pub ready: Ready,
+}
+
+impl Manifest {
+    /// Reads the manifest of the snapshot in `dir`.
+    ///
+    /// # Errors
+    /// [`Error::Snapshot`] when it is missing or unreadable (not a snapshot directory).
+    pub fn read(dir: &Path) -> Result<Manifest, Error> {
+        let path = dir.join(MANIFEST_FILE);
+        let bytes = fs::read(&path).map_err(|e| {
+            Error::Snapshot(format!(
+                "{} is not a sandbox snapshot ({}: {e})",
+                dir.display(),
+                path.display()
+            ))
+        })?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| Error::Snapshot(format!("{}: {e}", path.display())))
+    }
+
+    fn write(&self, dir: &Path) -> Result<(), Error> {
+        let path = dir.join(MANIFEST_FILE);
+        let json = serde_json::to_vec_pretty(self).map_err(|e| Error::Snapshot(e.to_string()))?;
+        fs::write(&path, json).map_err(|e| Error::Snapshot(format!("{}: {e}", path.display())))
+    }
+}
+
+impl Sandbox {
+    /// Snapshots the sandbox's VM into `dir` (created if missing) and ends the sandbox, as
+    /// `destroy` does. Take it when nothing runs that needs the host: connections to the
+    /// sandbox are reset in every restored copy.
+    ///
+    /// # Errors
+    /// [`Error::Snapshot`] when the VMM has no control socket (a jailed VMM), the VMM refuses
+    /// (e.g. a virtio-fs share is mounted in the guest) or the files cannot be written; the
+    /// sandbox keeps running then.
+    pub fn snapshot_into(mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
+        let socket = self
+            .dir
+            .as_deref()
+            .map(|d| d.join(API_SOCKET))
+            .filter(|p| p.exists())
+            .ok_or_else(|| {
+                Error::Snapshot(
+                    "this sandbox's VMM has no control socket (a jailed VMM cannot be \
+                     snapshotted yet)"
+                        .into(),
+                )
+            })?;
+        let request = Request::Snapshot(SnapshotRequest {
+            dir: dir.to_owned(),
+            resume: false,
+        });
+        let refused = |reason: String| {
+            let log = self.log_tail(20);
+            match log.trim().is_empty() {
+                true => Error::Snapshot(reason),
+                false => Error::Snapshot(format!("{reason}; VMM log:\n{log}")),
+            }
+        };
+        let answer = control::send(&socket, &request).map_err(refused)?;
+        if !answer.ok {
+            return Err(refused(answer.error.unwrap_or_default()));
+        }
+        let manifest = Manifest {
+            bulkhead_version: env!("CARGO_PKG_VERSION").into(),
+            created_unix_ms: unix_ms(SystemTime::now()),
+            memory_mib: config.memory_mib,
+            vcpus: config.vcpus,
+            ready: self.ready.clone(),
+        };
+        manifest.write(dir)?;
+        if self.wait_exit(EXIT_AFTER_SNAPSHOT)?.is_none() {
+            tracing::warn!("the VMM did not exit after its snapshot; stopping it");
+        }
+        self.destroy()?;
+        Ok(manifest)
+    }
+
+    /// Starts a sandbox from the snapshot in `dir`: a new VMM restores the VM (its memory
+    /// shared copy-on-write with every other restore of `dir`), then the agent is told it was
+    /// restored and made distinct (entropy, clock, hostname; see the module docs). `config`
+    /// gives the VMM binary, runtime directory, console, timeout and cgroups; its memory and
+    /// vCPUs must be the snapshot's.
+    ///
+    /// # Errors
+    /// [`Error::Snapshot`] for a directory that is no snapshot, a size mismatch, or a setting
+    /// restores cannot honour yet (jail, mounts, workspace, network); [`Error::VmExited`] with
+    /// the VMM's log when the restore fails (a corrupt or truncated snapshot, another CPU);
+    /// [`Error::ReadyTimeout`]. Nothing is left running or on disk when this fails.
+    pub fn restore(config: &SandboxConfig, dir: &Path) -> Result<Sandbox, Error> {
+        let started = Instant::now();
+        let manifest = Manifest::read(dir)?;
+        check_restorable(config, &manifest)?;
+        let runtime = make_runtime_dir(&config.runtime_dir)?;
+        let uds_path = runtime.path().join("vm.sock");
+        let log_path = runtime.path().join("vmm.log");
+        let exit_path = runtime.path().join(EXIT_FILE);
+        let launch = restore_args(config, dir, runtime.path(), &uds_path);
+        let launch: Vec<&std::ffi::OsStr> = launch.iter().map(|a| a.as_os_str()).collect();
+        let options = SpawnOptions {
+            kill_on_parent_exit: config.kill_on_parent_exit,
+            cgroup_procs: &config.cgroup_procs,
+            timings_json: None,
+            exit_file: Some(&exit_path),
+            extra_args: &[],
+        };
+        let child = process::spawn_vmm(&config.vmm_binary, &launch, &log_path, options).map_err(
+            |source| Error::Spawn {
+                vmm: config.vmm_binary.clone(),
+                source,
+            },
+        )?;
+        let spawn = started.elapsed();
+        let mut sandbox = Sandbox {
+            dir: Some(runtime.keep()),
+            child: Some(VmmProcess::Child(child)),
+            uds_path,
+            ready: manifest.ready,
+            timings: Timings {
+                spawn,
+                ready: Duration::ZERO,
+                vmm_start: None,
+                phases: None,
+            },
+            clock: None,
+            first_output: OnceLock::new(),
+            egress: None,
+            egress_log: None,
+        };
+        // Dropping the sandbox on an error stops the VMM and removes the runtime directory.
+        sandbox.tell_restored(config)?;
+        sandbox.timings.ready = started.elapsed();
+        Ok(sandbox)
+    }
+
+    /// Sends the agent its [`RestoredRequest`], retrying while the restored guest's vsock comes
+    /// back, until `config.ready_timeout`.
+    fn tell_restored(&mut self, config: &SandboxConfig) -> Result<(), Error> {
+        let deadline = Instant::now() + config.ready_timeout;
+        let client = AgentClient::hybrid(&self.uds_path).with_timeout(config.ready_timeout);
+        loop {
+            let request = restored_request(config.hostname.clone())?;
+            let attempt = client.restored(&request);
+            match attempt {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    if let Some(end) = self.wait_exit(Duration::ZERO)? {
+                        return Err(self.exited(end));
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(Error::ReadyTimeout {
+                            timeout: config.ready_timeout,
+                            log: format!("last attempt: {e}\n{}", self.log_tail(20)),
+                        });
+                    }
+                    std::thread::sleep(RETRY_PAUSE);
+                }
+            }
+        }
+    }
+
+    /// [`Error::VmExited`] for a VMM that ended during a restore.
+    fn exited(&self, end: VmEnd) -> Error {
+        let log = self
+            .dir
+            .as_deref()
+            .map(|d| tail_lines(&d.join("vmm.log"), 20))
+            .unwrap_or_default();
+        let clean = end.is_clean();
+        Error::VmExited {
+            end: Box::new(end),
+            log: log_or_explanation(log, clean),
+        }
+    }
+}
+
+/// Refuses what a restore cannot honour.
+fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), Error> {
+    let refuse = |what: String| Err(Error::Snapshot(what));
+    if config.memory_mib != manifest.memory_mib {
+        return refuse(format!(
+            "the snapshot has {} MiB of guest memory, not {} MiB; a restore cannot change it",
+            manifest.memory_mib, config.memory_mib
+        ));
+    }
+    if config.vcpus != manifest.vcpus {
+        return refuse(format!(
+            "the snapshot has {} vCPUs, not {}; a restore cannot change them",
+            manifest.vcpus, config.vcpus
+        ));
+    }
+    if jail::active(config.jail) {
+        return refuse(
+            "restoring into a jailed VMM is not supported yet; turn the jail off".into(),
+        );
+    }
+    if !config.mounts.is_empty() || config.workspace.is_some() || config.egress.is_some() {
+        return refuse(
+            "a restored sandbox cannot have mounts, a workspace or a network yet".into(),
+        );
+    }
+    Ok(())
+}
+
+/// `--restore DIR --vsock-uds ... --api-sock ... --serial ...`.
+fn restore_args(
+    config: &SandboxConfig,
+    dir: &Path,
+    runtime: &Path,
+    uds_path: &Path,
+) -> Vec<std::ffi::OsString> {
+    let serial: std::ffi::OsString = match &config.console {
+        bulkhead_vmm::config::SerialOutput::Stdout => "stdout".into(),
+        bulkhead_vmm::config::SerialOutput::Off => "off".into(),
+        bulkhead_vmm::config::SerialOutput::File(p) => p.clone().into_os_string(),
+    };
+    vec![
+        "--restore".into(),
+        dir.as_os_str().to_owned(),
+        "--vsock-uds".into(),
+        uds_path.as_os_str().to_owned(),
+        "--api-sock".into(),
+        runtime.join(API_SOCKET).into_os_string(),
+        "--serial".into(),
+        serial,
+    ]
+}
+
+/// A [`RestoredRequest`] with fresh host entropy and the host's wall clock now.
+fn restored_request(hostname: Option<String>) -> Result<RestoredRequest, Error> {
+    let mut entropy = vec![0u8; ENTROPY_BYTES];
+    fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut entropy))
+        .map_err(|e: io::Error| Error::Snapshot(format!("cannot read host entropy: {e}")))?;
+    Ok(RestoredRequest {
+        version: PROTOCOL_VERSION,
+        entropy,
+        realtime_ns: u64::try_from(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        )
+        .unwrap_or(u64::MAX),
+        hostname,
+    })
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    u64::try_from(t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis()).unwrap_or(0)
+}

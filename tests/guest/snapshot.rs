@@ -1,0 +1,204 @@
+//! Snapshots at the sandbox level (`bulkhead_sandbox::snapshot`): a sandbox saved after it ran
+//! something, restored as several clones that continue from there, each a distinct machine.
+
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bulkhead_protocol::client::ExecOutput;
+use bulkhead_protocol::ExecRequest;
+use bulkhead_sandbox::snapshot::MANIFEST_FILE;
+use bulkhead_sandbox::{Error, Sandbox, SandboxConfig};
+use bulkhead_tests::{artifacts, guest_test};
+
+/// Guest RAM of every sandbox here, MiB.
+const MEMORY_MIB: u32 = 256;
+
+fn config() -> SandboxConfig {
+    let a = artifacts();
+    SandboxConfig {
+        kernel: a.vmlinux.clone(),
+        initrd: a.agent_initrd.clone(),
+        vmm_binary: a.vmm.clone(),
+        memory_mib: MEMORY_MIB,
+        ready_timeout: Duration::from_secs(300),
+        // Restoring into a jailed VMM is not supported yet.
+        jail: false,
+        ..SandboxConfig::default()
+    }
+}
+
+fn run_sh(sandbox: &Sandbox, script: &str) -> ExecOutput {
+    sandbox
+        .exec(&ExecRequest::new(["sh", "-c", script]))
+        .expect("exec")
+        .wait_with_output()
+        .expect("output")
+}
+
+fn stdout(out: &ExecOutput) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Boots a sandbox, runs `prepare` in it and snapshots it into `dir`; returns `prepare`'s
+/// output.
+fn make_snapshot(dir: &Path, prepare: &str) -> String {
+    let cfg = config();
+    let sandbox = Sandbox::start(&cfg).expect("boot");
+    let out = run_sh(&sandbox, prepare);
+    assert_eq!(out.status.code, Some(0), "prepare: {out:?}");
+    sandbox.snapshot_into(dir, &cfg).expect("snapshot");
+    stdout(&out)
+}
+
+fn host_unix_s() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+guest_test!(
+    fn clones_see_the_snapshots_files_and_only_their_own_writes() {
+        // Arrange: a snapshot taken after `echo 42 > /tmp/x`, and a process left running.
+        let dir = tempfile::tempdir().unwrap();
+        let running = make_snapshot(
+            dir.path(),
+            "echo 42 > /tmp/x; sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/sleeper; \
+             kill -0 $(cat /tmp/sleeper) && echo alive",
+        );
+        assert_eq!(running, "alive\n", "the sleeper runs before the snapshot");
+
+        // Act: five clones alive at once, each reading the file and then writing its own value.
+        let clones: Vec<Sandbox> = (0..5)
+            .map(|_| Sandbox::restore(&config(), dir.path()).expect("restore"))
+            .collect();
+        let before: Vec<String> = clones
+            .iter()
+            .map(|c| stdout(&run_sh(c, "cat /tmp/x")))
+            .collect();
+        for (i, clone) in clones.iter().enumerate() {
+            run_sh(clone, &format!("echo clone-{i} > /tmp/x"));
+        }
+        let after: Vec<String> = clones
+            .iter()
+            .map(|c| stdout(&run_sh(c, "cat /tmp/x")))
+            .collect();
+        let sleeper = stdout(&run_sh(
+            &clones[0],
+            "kill -0 $(cat /tmp/sleeper) && echo alive",
+        ));
+        for clone in clones {
+            clone.destroy().unwrap();
+        }
+        let late = Sandbox::restore(&config(), dir.path()).expect("restore after the clones");
+        let template_after = stdout(&run_sh(&late, "cat /tmp/x"));
+
+        // Assert
+        assert!(before.iter().all(|s| s == "42\n"), "{before:?}");
+        for (i, seen) in after.iter().enumerate() {
+            assert_eq!(seen, &format!("clone-{i}\n"));
+        }
+        assert_eq!(
+            sleeper, "alive\n",
+            "the process started before the snapshot"
+        );
+        assert_eq!(template_after, "42\n", "the clones changed the snapshot");
+        late.destroy().unwrap();
+    }
+);
+
+guest_test!(
+    fn clones_get_their_own_randomness_and_the_hosts_clock() {
+        // Arrange: the snapshot's last random bytes, and a guest clock set a day back before the
+        // snapshot (as a day-old template would have).
+        let dir = tempfile::tempdir().unwrap();
+        let template_random = make_snapshot(
+            dir.path(),
+            "date -s @$(( $(date +%s) - 86400 )) >/dev/null; head -c 32 /dev/urandom | od -An -tx1",
+        );
+
+        // Act
+        let clones: Vec<Sandbox> = (0..3)
+            .map(|_| Sandbox::restore(&config(), dir.path()).expect("restore"))
+            .collect();
+        let random: Vec<String> = clones
+            .iter()
+            .map(|c| stdout(&run_sh(c, "head -c 32 /dev/urandom | od -An -tx1")))
+            .collect();
+        let skew: Vec<i64> = clones
+            .iter()
+            .map(|c| {
+                stdout(&run_sh(c, "date +%s"))
+                    .trim()
+                    .parse::<i64>()
+                    .unwrap()
+                    - host_unix_s()
+            })
+            .collect();
+
+        // Assert
+        let mut all = random.clone();
+        all.push(template_random);
+        all.sort();
+        all.dedup();
+        assert_eq!(
+            all.len(),
+            4,
+            "random bytes repeat across clones: {random:?}"
+        );
+        assert!(
+            skew.iter().all(|s| s.abs() <= 2),
+            "guest clock minus host clock, s: {skew:?}"
+        );
+        for clone in clones {
+            clone.destroy().unwrap();
+        }
+    }
+);
+
+guest_test!(
+    fn a_broken_or_mismatched_snapshot_is_refused_and_leaves_nothing_running() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        make_snapshot(dir.path(), "true");
+        let truncated = tempfile::tempdir().unwrap();
+        for name in ["state", "memory", MANIFEST_FILE] {
+            std::fs::copy(dir.path().join(name), truncated.path().join(name)).unwrap();
+        }
+        let state = truncated.path().join("state");
+        let len = std::fs::metadata(&state).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&state)
+            .unwrap()
+            .set_len(len - 100)
+            .unwrap();
+        let runtime = tempfile::tempdir().unwrap();
+        let mut cfg = config();
+        cfg.runtime_dir = runtime.path().to_owned();
+        let mut bigger = cfg.clone();
+        bigger.memory_mib = MEMORY_MIB * 2;
+
+        // Act
+        let cut = Sandbox::restore(&cfg, truncated.path()).unwrap_err();
+        let more_memory = Sandbox::restore(&bigger, dir.path()).unwrap_err();
+        let missing = Sandbox::restore(&cfg, &dir.path().join("nope")).unwrap_err();
+
+        // Assert: each names its cause, and no runtime directory (so no VMM) is left.
+        let Error::VmExited { log, .. } = &cut else {
+            panic!("truncated: {cut}");
+        };
+        assert!(log.contains("truncated"), "{log}");
+        assert!(
+            more_memory
+                .to_string()
+                .contains("a restore cannot change it"),
+            "{more_memory}"
+        );
+        assert!(
+            missing.to_string().contains("is not a sandbox snapshot"),
+            "{missing}"
+        );
+        assert_eq!(std::fs::read_dir(runtime.path()).unwrap().count(), 0);
+    }
+);
