@@ -21,8 +21,7 @@ fn config() -> SandboxConfig {
         vmm_binary: a.vmm.clone(),
         memory_mib: MEMORY_MIB,
         ready_timeout: Duration::from_secs(300),
-        // Restoring into a jailed VMM is not supported yet.
-        jail: false,
+        // The tests run as root: the VMMs are jailed, as for every sandbox of a root process.
         ..SandboxConfig::default()
     }
 }
@@ -42,11 +41,14 @@ fn stdout(out: &ExecOutput) -> String {
 /// Boots a sandbox, runs `prepare` in it and snapshots it into `dir`; returns `prepare`'s
 /// output.
 fn make_snapshot(dir: &Path, prepare: &str) -> String {
-    let cfg = config();
-    let sandbox = Sandbox::start(&cfg).expect("boot");
+    make_snapshot_with(&config(), dir, prepare)
+}
+
+fn make_snapshot_with(cfg: &SandboxConfig, dir: &Path, prepare: &str) -> String {
+    let sandbox = Sandbox::start(cfg).expect("boot");
     let out = run_sh(&sandbox, prepare);
     assert_eq!(out.status.code, Some(0), "prepare: {out:?}");
-    sandbox.snapshot_into(dir, &cfg).expect("snapshot");
+    sandbox.snapshot_into(dir, cfg).expect("snapshot");
     stdout(&out)
 }
 
@@ -110,16 +112,21 @@ guest_test!(
 guest_test!(
     fn clones_get_their_own_randomness_and_the_hosts_clock() {
         // Arrange: the snapshot's last random bytes, and a guest clock set a day back before the
-        // snapshot (as a day-old template would have).
+        // snapshot (as a day-old template would have); VMMs without a jail this time.
+        let cfg = SandboxConfig {
+            jail: false,
+            ..config()
+        };
         let dir = tempfile::tempdir().unwrap();
-        let template_random = make_snapshot(
+        let template_random = make_snapshot_with(
+            &cfg,
             dir.path(),
             "date -s @$(( $(date +%s) - 86400 )) >/dev/null; head -c 32 /dev/urandom | od -An -tx1",
         );
 
         // Act
         let clones: Vec<Sandbox> = (0..3)
-            .map(|_| Sandbox::restore(&config(), dir.path()).expect("restore"))
+            .map(|_| Sandbox::restore(&cfg, dir.path()).expect("restore"))
             .collect();
         let random: Vec<String> = clones
             .iter()

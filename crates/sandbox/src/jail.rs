@@ -156,8 +156,13 @@ pub(crate) struct Jail {
 
 impl Jail {
     /// Chooses the VMM's uid/gid for `vm` and prepares the runtime directory `dir` (see the
-    /// module docs); `listener` is the readiness listener the VMM must be able to connect to.
-    pub(crate) fn prepare(dir: &Path, vm: &VmConfig, listener: &Path) -> Result<Jail, JailError> {
+    /// module docs); `listener` is the readiness listener the VMM must be able to connect to
+    /// (none for a restore: the restored agent announced itself at its boot).
+    pub(crate) fn prepare(
+        dir: &Path,
+        vm: &VmConfig,
+        listener: Option<&Path>,
+    ) -> Result<Jail, JailError> {
         let slot = fs::metadata(dir).map_err(io_err("stat", dir))?.ino();
         let owners = vm
             .shares
@@ -182,7 +187,9 @@ impl Jail {
         let root = dir.join(ROOT_DIR);
         fs::create_dir(&root).map_err(io_err("mkdir", &root))?;
         chown(&dir.join(VMM_DIR), Some(uid), Some(gid))?;
-        chown(listener, Some(uid), Some(gid))?;
+        if let Some(listener) = listener {
+            chown(listener, Some(uid), Some(gid))?;
+        }
         chown(dir, None, Some(gid))?;
         fs::set_permissions(dir, fs::Permissions::from_mode(0o710))
             .map_err(io_err("chmod", dir))?;
@@ -419,7 +426,7 @@ mod tests {
         let vm: VmConfig = serde_json::from_str(r#"{"kernel": "/k"}"#).unwrap();
 
         // Act
-        let jail = Jail::prepare(dir.path(), &vm, &listener).unwrap();
+        let jail = Jail::prepare(dir.path(), &vm, Some(&listener)).unwrap();
 
         // Assert
         let ino = fs::metadata(dir.path()).unwrap().ino();

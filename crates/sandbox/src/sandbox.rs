@@ -236,10 +236,10 @@ pub struct Sandbox {
 }
 
 /// The VMM's control socket in a runtime directory (`bulkhead-vmm --api-sock`).
-pub(crate) const API_SOCKET: &str = "api.sock";
+pub(crate) const API_SOCKET: &str = "vmm/api.sock";
 
-/// `--api-sock <dir>/api.sock`.
-fn api_sock_args(dir: &Path) -> Vec<OsString> {
+/// `--api-sock <dir>/vmm/api.sock`.
+pub(crate) fn api_sock_args(dir: &Path) -> Vec<OsString> {
     vec!["--api-sock".into(), dir.join(API_SOCKET).into_os_string()]
 }
 
@@ -280,10 +280,11 @@ impl Sandbox {
         let vm = write_vm_config(config, &disks, &ws, &uds_path, &config_path)?;
         jail::make_vmm_dir(dir.path())?;
         let jail_args = match jail::active(config.jail) {
-            true => Jail::prepare(dir.path(), &vm, &ready_path)?.args(),
-            // The control socket, for snapshots (not yet for jailed VMMs).
-            false => api_sock_args(dir.path()),
+            true => Jail::prepare(dir.path(), &vm, Some(&ready_path))?.args(),
+            false => Vec::new(),
         };
+        // The control socket, for snapshots; in `vmm/`, which a jailed VMM may write.
+        let jail_args = [jail_args, api_sock_args(dir.path())].concat();
         // Listening before the guest exists; stopped (dropped) if anything below fails.
         let egress = start_egress(config, dir.path(), &uds_path)?;
         let log_path = dir.path().join("vmm.log");

@@ -14,8 +14,12 @@
 //! addresses of kernel and user mappings made before the snapshot (an attacker inside one clone
 //! learns them about the others, which share nothing else with it), and PIDs.
 //!
-//! Not yet: restoring into a jailed VMM (as root, set [`SandboxConfig::jail`] off), with mounts,
-//! a workspace or a network; each is refused with an error that says so.
+//! As root the VMM is jailed as for a boot (`crate::jail`): a jailed VMM writes its snapshot into
+//! its runtime directory, whence it is moved to the destination, and a restoring one sees the
+//! snapshot's two files read-only.
+//!
+//! Not yet: restoring with mounts, a workspace or a network; each is refused with an error that
+//! says so.
 
 use std::fs;
 use std::io::{self, Read};
@@ -25,18 +29,21 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bulkhead_protocol::client::AgentClient;
 use bulkhead_protocol::{Ready, RestoredRequest, PROTOCOL_VERSION};
+use bulkhead_vmm::config::VmConfig;
 use bulkhead_vmm::control::{self, Request};
 use bulkhead_vmm::snapshot::SnapshotRequest;
 use serde::{Deserialize, Serialize};
 
-use crate::jail;
+use crate::jail::{self, Jail};
 use crate::phases::Timings;
 use crate::process::{self, SpawnOptions};
 use crate::sandbox::{
-    log_or_explanation, make_runtime_dir, tail_lines, Error, Sandbox, SandboxConfig, API_SOCKET,
-    EXIT_FILE,
+    api_sock_args, log_or_explanation, make_runtime_dir, tail_lines, Error, Sandbox, SandboxConfig,
+    API_SOCKET, EXIT_FILE,
 };
 use crate::vmm_process::{VmEnd, VmmProcess};
+
+mod files;
 
 /// The sandbox-level manifest in a snapshot directory.
 pub const MANIFEST_FILE: &str = "sandbox.json";
@@ -96,25 +103,29 @@ impl Sandbox {
     /// `destroy` does. Take it when nothing runs that needs the host: connections to the
     /// sandbox are reset in every restored copy.
     ///
+    /// A jailed VMM writes the snapshot into its runtime directory's `vmm/snapshot` (the only
+    /// place it may write), from where it is moved into `dir`.
+    ///
     /// # Errors
-    /// [`Error::Snapshot`] when the VMM has no control socket (a jailed VMM), the VMM refuses
-    /// (e.g. a virtio-fs share is mounted in the guest) or the files cannot be written; the
-    /// sandbox keeps running then.
+    /// [`Error::Snapshot`] when the VMM has no control socket (a sandbox adopted from an older
+    /// bulkhead), the VMM refuses (e.g. a virtio-fs share is mounted in the guest) or the files
+    /// cannot be written; the sandbox keeps running when the VMM refused.
     pub fn snapshot_into(mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
-        let socket = self
-            .dir
-            .as_deref()
-            .map(|d| d.join(API_SOCKET))
-            .filter(|p| p.exists())
-            .ok_or_else(|| {
-                Error::Snapshot(
-                    "this sandbox's VMM has no control socket (a jailed VMM cannot be \
-                     snapshotted yet)"
-                        .into(),
-                )
-            })?;
+        let runtime = self.dir.clone().unwrap_or_default();
+        let socket = runtime.join(API_SOCKET);
+        if !socket.exists() {
+            return Err(Error::Snapshot(
+                "this sandbox's VMM has no control socket (it was started by an older bulkhead)"
+                    .into(),
+            ));
+        }
+        let jailed = runtime.join(jail::ROOT_DIR).exists();
+        let target = match jailed {
+            true => runtime.join(JAILED_SNAPSHOT_DIR),
+            false => dir.to_owned(),
+        };
         let request = Request::Snapshot(SnapshotRequest {
-            dir: dir.to_owned(),
+            dir: target.clone(),
             resume: false,
         });
         let refused = |reason: String| {
@@ -127,6 +138,9 @@ impl Sandbox {
         let answer = control::send(&socket, &request).map_err(refused)?;
         if !answer.ok {
             return Err(refused(answer.error.unwrap_or_default()));
+        }
+        if jailed {
+            files::move_snapshot(&target, dir)?;
         }
         let manifest = Manifest {
             bulkhead_version: env!("CARGO_PKG_VERSION").into(),
@@ -162,6 +176,11 @@ impl Sandbox {
         let uds_path = runtime.path().join("vm.sock");
         let log_path = runtime.path().join("vmm.log");
         let exit_path = runtime.path().join(EXIT_FILE);
+        jail::make_vmm_dir(runtime.path())?;
+        let jail_args = match jail::active(config.jail) {
+            true => Jail::prepare(runtime.path(), &VmConfig::new(dir.join("state")), None)?.args(),
+            false => Vec::new(),
+        };
         let launch = restore_args(config, dir, runtime.path(), &uds_path);
         let launch: Vec<&std::ffi::OsStr> = launch.iter().map(|a| a.as_os_str()).collect();
         let options = SpawnOptions {
@@ -169,7 +188,7 @@ impl Sandbox {
             cgroup_procs: &config.cgroup_procs,
             timings_json: None,
             exit_file: Some(&exit_path),
-            extra_args: &[],
+            extra_args: &jail_args,
         };
         let child = process::spawn_vmm(&config.vmm_binary, &launch, &log_path, options).map_err(
             |source| Error::Spawn {
@@ -256,11 +275,6 @@ fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), E
             manifest.vcpus, config.vcpus
         ));
     }
-    if jail::active(config.jail) {
-        return refuse(
-            "restoring into a jailed VMM is not supported yet; turn the jail off".into(),
-        );
-    }
     if !config.mounts.is_empty() || config.workspace.is_some() || config.egress.is_some() {
         return refuse(
             "a restored sandbox cannot have mounts, a workspace or a network yet".into(),
@@ -268,6 +282,9 @@ fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), E
     }
     Ok(())
 }
+
+/// Where a jailed VMM writes a snapshot, in its runtime directory.
+const JAILED_SNAPSHOT_DIR: &str = "vmm/snapshot";
 
 /// `--restore DIR --vsock-uds ... --api-sock ... --serial ...`.
 fn restore_args(
@@ -281,16 +298,16 @@ fn restore_args(
         bulkhead_vmm::config::SerialOutput::Off => "off".into(),
         bulkhead_vmm::config::SerialOutput::File(p) => p.clone().into_os_string(),
     };
-    vec![
+    let mut args: Vec<std::ffi::OsString> = vec![
         "--restore".into(),
-        dir.as_os_str().to_owned(),
+        jail::resolved(dir).into_os_string(),
         "--vsock-uds".into(),
         uds_path.as_os_str().to_owned(),
-        "--api-sock".into(),
-        runtime.join(API_SOCKET).into_os_string(),
         "--serial".into(),
         serial,
-    ]
+    ];
+    args.extend(api_sock_args(runtime));
+    args
 }
 
 /// A [`RestoredRequest`] with fresh host entropy and the host's wall clock now.

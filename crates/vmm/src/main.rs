@@ -36,7 +36,7 @@ use bulkhead_vmm::control::ControlSocket;
 use bulkhead_vmm::exit_report::{ExitFile, ExitReport, EXIT_ERROR};
 use bulkhead_vmm::jail::{self, JailConfig, MountPlan};
 use bulkhead_vmm::seccomp::{SeccompMode, ThreadFilters, ThreadKind};
-use bulkhead_vmm::snapshot::{restore_with_kvm, RestoreConfig};
+use bulkhead_vmm::snapshot::{jail_config, restore_with_kvm, RestoreConfig};
 use bulkhead_vmm::timings::{guest_ranges, ProcessClock, TimingsReport};
 use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
 use bulkhead_vmm::{ExitReason, StopHandle};
@@ -50,7 +50,7 @@ struct Args {
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds", "disks", "shares", "restore"])]
     config: Option<PathBuf>,
     /// Restore the VM snapshotted into DIR (its `state` and `memory` files) instead of booting.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline", "disks", "jail_uid"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline", "disks"])]
     restore: Option<PathBuf>,
     /// Serve the control socket at PATH: pause, resume, snapshot (JSON lines; see
     /// `bulkhead_vmm::control`).
@@ -347,7 +347,11 @@ fn run(args: Args, launch: Launch) -> Result<ExitReport, String> {
     let confined = match &launch.jail {
         Some(jail) => {
             let timings_path = launch.timings.as_ref().map(|(path, _)| path.as_path());
-            let plan = MountPlan::for_vm(&config, timings_path).map_err(|e| e.to_string())?;
+            let planned = match &restore {
+                Some(r) => jail_config(r).map_err(|e| e.to_string())?,
+                None => config.clone(),
+            };
+            let plan = MountPlan::for_vm(&planned, timings_path).map_err(|e| e.to_string())?;
             Some(jail::enter(jail, &plan, &launch.kvm_device).map_err(|e| e.to_string())?)
         }
         None => None,

@@ -92,6 +92,21 @@ pub fn restore_with_kvm(config: &RestoreConfig, kvm_path: &Path) -> Result<Vmm, 
     Ok(vmm)
 }
 
+/// The configuration a jail's mount plan is made from for the restore of `config`
+/// (`crate::jail::MountPlan::for_vm`): the saved configuration with the caller's host-side paths,
+/// and the snapshot's `state` and `memory` files as its kernel and initramfs, the files a restore
+/// reads (read-only) in their place.
+///
+/// # Errors
+/// [`Error::Format`] for a missing or bad state file, [`Error::Mismatch`].
+pub fn jail_config(config: &RestoreConfig) -> Result<VmConfig, Error> {
+    let snapshot: VmSnapshot = format::read_file(&config.dir.join(STATE_FILE))?;
+    let mut merged = merge_config(&snapshot, config)?;
+    merged.kernel = config.dir.join(STATE_FILE);
+    merged.initrd = Some(config.dir.join(MEMORY_FILE));
+    Ok(merged)
+}
+
 fn build_err(e: builder::Error) -> Error {
     Error::Build(Box::new(e))
 }

@@ -1,0 +1,151 @@
+//! Moving a jailed VMM's snapshot files out of its runtime directory.
+
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use bulkhead_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
+
+use crate::sandbox::Error;
+
+/// Bytes copied per read while copying a memory file's data.
+const COPY_CHUNK: usize = 1 << 20;
+
+/// Moves `from/state` and `from/memory` into `to` (created if missing), owned by this process's
+/// user, then removes `from`. A rename where both are on one file system, else a copy that keeps
+/// the memory file's holes (pages of zeros are never written).
+///
+/// # Errors
+/// [`Error::Snapshot`] naming the file that could not be moved.
+pub(super) fn move_snapshot(from: &Path, to: &Path) -> Result<(), Error> {
+    let failed = |path: &Path, e: io::Error| {
+        Error::Snapshot(format!(
+            "cannot move {} into {}: {e}",
+            path.display(),
+            to.display()
+        ))
+    };
+    fs::create_dir_all(to).map_err(|e| failed(to, e))?;
+    for name in [MEMORY_FILE, STATE_FILE] {
+        let (src, dst) = (from.join(name), to.join(name));
+        move_file(&src, &dst).map_err(|e| failed(&src, e))?;
+        // SAFETY: geteuid and getegid have no preconditions and cannot fail.
+        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        std::os::unix::fs::chown(&dst, Some(uid), Some(gid)).map_err(|e| failed(&dst, e))?;
+    }
+    fs::remove_dir(from).map_err(|e| failed(from, e))
+}
+
+/// `rename`, or on `EXDEV` a hole-keeping copy and the removal of `src`.
+fn move_file(src: &Path, dst: &Path) -> io::Result<()> {
+    match fs::rename(src, dst) {
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            copy_sparse(src, dst)?;
+            fs::remove_file(src)
+        }
+        other => other,
+    }
+}
+
+/// Copies `src` to a new `dst` of the same length, writing only its data segments
+/// (`lseek(SEEK_DATA/SEEK_HOLE)`, lseek(2)).
+fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
+    let input = File::open(src)?;
+    let output = File::create(dst)?;
+    let len = input.metadata()?.len();
+    output.set_len(len)?;
+    let mut buf = vec![0u8; COPY_CHUNK];
+    let mut at = 0u64;
+    while let Some((start, end)) = next_data(&input, at, len)? {
+        copy_range(&input, &output, (start, end), &mut buf)?;
+        at = end;
+    }
+    output.sync_all()
+}
+
+/// The next data segment at or after `at`, `None` past the last one.
+fn next_data(file: &File, at: u64, len: u64) -> io::Result<Option<(u64, u64)>> {
+    if at >= len {
+        return Ok(None);
+    }
+    let seek = |offset: u64, whence| -> io::Result<Option<u64>> {
+        let offset = libc::off_t::try_from(offset).map_err(io::Error::other)?;
+        // SAFETY: lseek on a descriptor this function's caller owns; no memory is passed.
+        let found = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };
+        match found {
+            -1 if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => Ok(None),
+            -1 => Err(io::Error::last_os_error()),
+            n => Ok(Some(n as u64)),
+        }
+    };
+    let Some(start) = seek(at, libc::SEEK_DATA)? else {
+        return Ok(None);
+    };
+    let end = seek(start, libc::SEEK_HOLE)?.unwrap_or(len).min(len);
+    Ok(Some((start, end)))
+}
+
+/// Copies bytes `range.0..range.1` of `input` to the same offsets of `output`.
+fn copy_range(input: &File, output: &File, range: (u64, u64), buf: &mut [u8]) -> io::Result<()> {
+    let (mut at, end) = range;
+    while at < end {
+        let want = usize::try_from(end - at)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
+        let n = input.read_at(&mut buf[..want], at)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "file shrank while copied",
+            ));
+        }
+        output.write_all_at(&buf[..n], at)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn a_sparse_copy_keeps_the_data_and_the_holes() {
+        // Arrange: 8 MiB with 4 KiB of data at 1 MiB and 4 KiB at the end.
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst) = (dir.path().join("src"), dir.path().join("dst"));
+        let file = File::create(&src).unwrap();
+        file.set_len(8 << 20).unwrap();
+        file.write_all_at(&[7u8; 4096], 1 << 20).unwrap();
+        file.write_all_at(&[9u8; 4096], (8 << 20) - 4096).unwrap();
+
+        // Act
+        copy_sparse(&src, &dst).unwrap();
+
+        // Assert
+        assert_eq!(fs::read(&src).unwrap(), fs::read(&dst).unwrap());
+        let blocks = fs::metadata(&dst).unwrap().blocks();
+        assert!(
+            blocks < 1024,
+            "{blocks} blocks of 512 bytes: the holes were filled"
+        );
+    }
+
+    #[test]
+    fn moving_a_snapshot_empties_the_source_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("vmm-snapshot"), dir.path().join("t/out"));
+        fs::create_dir(&from).unwrap();
+        fs::write(from.join(STATE_FILE), b"state").unwrap();
+        fs::write(from.join(MEMORY_FILE), b"memory").unwrap();
+
+        move_snapshot(&from, &to).unwrap();
+
+        assert!(!from.exists());
+        assert_eq!(fs::read(to.join(STATE_FILE)).unwrap(), b"state");
+        assert_eq!(fs::read(to.join(MEMORY_FILE)).unwrap(), b"memory");
+    }
+}
