@@ -153,7 +153,8 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Error> {
     serde_json::from_slice(body).map_err(Error::Parse)
 }
 
-/// Writes `state` to `path` (created or replaced), flushed to disk.
+/// Writes `state` to `path` (created or replaced, mode 0600: it holds guest registers), flushed
+/// to disk.
 ///
 /// # Errors
 /// [`Error::Serialize`], [`Error::Io`].
@@ -163,7 +164,7 @@ pub fn write_file<T: Serialize>(path: &Path, state: &T) -> Result<(), Error> {
         path: path.to_owned(),
         source,
     };
-    let mut file = std::fs::File::create(path).map_err(io)?;
+    let mut file = private_file(path).map_err(io)?;
     file.write_all(&bytes).map_err(io)?;
     file.sync_all().map_err(io)
 }
@@ -183,6 +184,18 @@ pub fn read_file<T: DeserializeOwned>(path: &Path) -> Result<T, Error> {
         .read_to_end(&mut bytes)
         .map_err(io)?;
     decode(&bytes)
+}
+
+/// Creates (or truncates) `path` for writing, mode 0600 when created: a snapshot's files hold
+/// guest memory and registers, for the snapshot's owner only.
+pub(crate) fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
 }
 
 fn hex(bytes: &[u8]) -> String {

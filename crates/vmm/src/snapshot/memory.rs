@@ -86,7 +86,7 @@ pub struct RegionState {
     pub offset: u64,
 }
 
-/// Writes every region of `mem` to a new file at `path`, back to back in GPA order, leaving
+/// Writes every region of `mem` to a new file at `path` (mode 0600), back to back in GPA order, leaving
 /// pages that are all zeros as holes; returns where each region went. The file is flushed to
 /// disk before this returns. The guest must not run meanwhile (its vCPUs are paused).
 ///
@@ -97,7 +97,7 @@ pub fn save(mem: &GuestMemoryMmap, path: &Path) -> Result<Vec<RegionState>, Erro
         path: path.to_owned(),
         source,
     };
-    let file = File::create(path).map_err(io)?;
+    let file = super::format::private_file(path).map_err(io)?;
     let total: u64 = mem.iter().map(|r| r.len()).sum();
     file.set_len(total).map_err(io)?;
     let mut regions = Vec::new();
@@ -288,6 +288,19 @@ mod tests {
             on_disk.read_obj::<u32>(GuestAddress(0x10_0000)).unwrap(),
             0x1234_5678
         );
+    }
+
+    #[test]
+    fn the_memory_file_is_for_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("memory");
+        let mem = create_guest_memory(16, arch_memory_regions).unwrap();
+
+        save(&mem, &path).unwrap();
+
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
     }
 
     #[test]

@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use std::os::unix::fs::DirBuilderExt;
+
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
 
@@ -97,7 +99,8 @@ fn vcpu_err(e: crate::vstate::vcpu::Error) -> Error {
     Error::Vcpu(e.to_string())
 }
 
-/// Writes a snapshot of the paused VM into `dir`: memory first, then the state file, written
+/// Writes a snapshot of the paused VM into `dir` (created mode 0700 if missing; the files are
+/// mode 0600): memory first, then the state file, written
 /// under a temporary name and renamed, so a `state` file only ever names a complete snapshot.
 ///
 /// # Errors
@@ -108,10 +111,14 @@ pub(crate) fn save(sources: &SaveSources<'_>, dir: &Path) -> Result<(), Error> {
     let vcpus = save_vcpus(sources.vcpus, sources.msrs)?;
     let vm = save_vm(sources.vm)?;
     let legacy = sources.legacy.save();
-    std::fs::create_dir_all(dir).map_err(|source| Error::Dir {
-        path: dir.to_owned(),
-        source,
-    })?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| Error::Dir {
+            path: dir.to_owned(),
+            source,
+        })?;
     let memory = memory::save(sources.mem, &dir.join(MEMORY_FILE))?;
     let snapshot = VmSnapshot {
         config: sources.config.clone(),
