@@ -209,3 +209,48 @@ guest_test!(
         assert_eq!(std::fs::read_dir(runtime.path()).unwrap().count(), 0);
     }
 );
+
+/// Proportional set size of process `pid`, KiB (`/proc/PID/smaps_rollup`): its private pages
+/// plus its share of each page it shares with other processes.
+fn pss_kib(pid: u32) -> u64 {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no Pss in {rollup}"))
+}
+
+guest_test!(
+    fn ten_clones_share_the_snapshots_memory() {
+        // Arrange: a snapshot of a sandbox that touched 64 MiB of page cache and heap.
+        let dir = tempfile::tempdir().unwrap();
+        make_snapshot(
+            dir.path(),
+            "dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>/dev/null; \
+             dd if=/tmp/fill of=/dev/null bs=1M 2>/dev/null",
+        );
+        let first = Sandbox::restore(&config(), dir.path()).expect("restore");
+        run_sh(&first, "cat /tmp/fill > /dev/null");
+        let alone = pss_kib(first.vm_pid().unwrap());
+
+        // Act: nine more clones, each reading the same file.
+        let mut clones = vec![first];
+        for _ in 0..9 {
+            let clone = Sandbox::restore(&config(), dir.path()).expect("restore");
+            run_sh(&clone, "cat /tmp/fill > /dev/null");
+            clones.push(clone);
+        }
+        let total: u64 = clones.iter().map(|c| pss_kib(c.vm_pid().unwrap())).sum();
+
+        // Assert: the clones' pages are mostly the snapshot's, shared.
+        assert!(
+            total < 3 * alone,
+            "10 clones: {total} KiB PSS in all; one clone alone: {alone} KiB"
+        );
+        eprintln!("PSS: one clone alone {alone} KiB, ten clones {total} KiB");
+        for clone in clones {
+            clone.destroy().unwrap();
+        }
+    }
+);
