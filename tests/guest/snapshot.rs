@@ -254,3 +254,53 @@ guest_test!(
         }
     }
 );
+
+guest_test!(
+    fn an_exec_streaming_during_the_snapshot_hangs_no_clone() {
+        // Arrange: an exec printing every 100 ms while the snapshot is taken.
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config();
+        let sandbox = Sandbox::start(&cfg).expect("boot");
+        let mut streaming = sandbox
+            .exec(&ExecRequest::new([
+                "sh",
+                "-c",
+                "while true; do echo tick; sleep 0.1; done",
+            ]))
+            .unwrap();
+        assert!(
+            streaming.next_event().unwrap().is_some(),
+            "the exec started"
+        );
+        sandbox.snapshot_into(dir.path(), &cfg).expect("snapshot");
+
+        // Act: two clones, each running a command after the restore.
+        let clones: Vec<Sandbox> = (0..2)
+            .map(|_| Sandbox::restore(&cfg, dir.path()).expect("restore"))
+            .collect();
+        let outputs: Vec<String> = clones
+            .iter()
+            .map(|c| stdout(&run_sh(c, "echo after-restore")))
+            .collect();
+
+        // Assert: the old stream ended on the host; new execs work in every clone.
+        let mut ended = false;
+        for _ in 0..1000 {
+            match streaming.next_event() {
+                Ok(Some(_)) => continue,
+                Ok(None) | Err(_) => {
+                    ended = true;
+                    break;
+                }
+            }
+        }
+        assert!(ended, "the host side of the old exec never ended");
+        assert!(
+            outputs.iter().all(|o| o == "after-restore\n"),
+            "{outputs:?}"
+        );
+        for clone in clones {
+            clone.destroy().unwrap();
+        }
+    }
+);
