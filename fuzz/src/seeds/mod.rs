@@ -10,6 +10,7 @@ mod agent;
 mod boot;
 mod devices;
 mod fs;
+mod snapshot;
 
 /// One seed: target name, file name, contents.
 pub type Seed = (&'static str, &'static str, Vec<u8>);
@@ -23,5 +24,6 @@ pub fn all() -> Vec<Seed> {
     seeds.extend(fs::seeds());
     seeds.extend(agent::seeds());
     seeds.extend(boot::seeds());
+    seeds.extend(snapshot::seeds());
     seeds
 }

@@ -101,17 +101,26 @@ struct Header {
 /// [`Error::Serialize`].
 pub fn encode<T: Serialize>(state: &T) -> Result<Vec<u8>, Error> {
     let body = serde_json::to_vec(state).map_err(Error::Serialize)?;
+    frame(&body)
+}
+
+/// A state file's bytes for an already serialized `body`: this build's header (with the
+/// body's length and digest), then the body. Fuzzers use it to reach the body's parser.
+///
+/// # Errors
+/// [`Error::Serialize`] (the header cannot fail to serialize in practice).
+pub fn frame(body: &[u8]) -> Result<Vec<u8>, Error> {
     let header = Header {
         magic: MAGIC.into(),
         format: FORMAT_VERSION,
         arch: std::env::consts::ARCH.into(),
         vmm_version: env!("CARGO_PKG_VERSION").into(),
         body_len: body.len() as u64,
-        body_sha256: hex(&Sha256::digest(&body)),
+        body_sha256: hex(&Sha256::digest(body)),
     };
     let mut out = serde_json::to_vec(&header).map_err(Error::Serialize)?;
     out.push(b'\n');
-    out.extend_from_slice(&body);
+    out.extend_from_slice(body);
     Ok(out)
 }
 
