@@ -45,7 +45,7 @@ fn make_snapshot(dir: &Path, prepare: &str) -> String {
 }
 
 fn make_snapshot_with(cfg: &SandboxConfig, dir: &Path, prepare: &str) -> String {
-    let sandbox = Sandbox::start(cfg).expect("boot");
+    let mut sandbox = Sandbox::start(cfg).expect("boot");
     let out = run_sh(&sandbox, prepare);
     assert_eq!(out.status.code, Some(0), "prepare: {out:?}");
     sandbox.snapshot_into(dir, cfg).expect("snapshot");
@@ -260,7 +260,7 @@ guest_test!(
         // Arrange: an exec printing every 100 ms while the snapshot is taken.
         let dir = tempfile::tempdir().unwrap();
         let cfg = config();
-        let sandbox = Sandbox::start(&cfg).expect("boot");
+        let mut sandbox = Sandbox::start(&cfg).expect("boot");
         let mut streaming = sandbox
             .exec(&ExecRequest::new([
                 "sh",

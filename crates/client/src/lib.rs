@@ -162,6 +162,21 @@ impl Client {
         check(status, &body).map(|_| ())
     }
 
+    /// `POST /v1/sandboxes/{id}/pause`: saves the sandbox's VM to the daemon's state directory
+    /// and stops it (state `paused`: no VMM, no guest memory in use). Pausing a paused sandbox
+    /// changes nothing.
+    pub async fn pause(&self, id: &str) -> Result<SandboxInfo, Error> {
+        self.json(Method::POST, &sandbox_path(id, "/pause"), None)
+            .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume`: restores a paused sandbox (state `running` again, its
+    /// processes and files as they were). Resuming a running sandbox changes nothing.
+    pub async fn resume(&self, id: &str) -> Result<SandboxInfo, Error> {
+        self.json(Method::POST, &sandbox_path(id, "/resume"), None)
+            .await
+    }
+
     /// `POST /v1/sandboxes/{id}/exec`: starts a command and streams its output.
     pub async fn exec(&self, id: &str, spec: &ExecSpec) -> Result<ExecStream, Error> {
         let path = sandbox_path(id, "/exec");

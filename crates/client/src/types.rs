@@ -41,12 +41,14 @@ fn default_memory_mib() -> u32 {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandbox {
-    /// Number of vCPUs (1..=the daemon's `max_vcpus`).
+    /// Number of vCPUs (1..=the daemon's `max_vcpus`). With `template`: the default (1) means
+    /// the template's; any other value must be the template's.
     #[serde(default = "default_vcpus")]
     #[cfg_attr(feature = "openapi", schema(default = 1, minimum = 1))]
     pub vcpus: u8,
     /// Guest RAM in MiB (at least 16, at most the host's available memory). The VMM's cgroup
-    /// memory limit is this plus the daemon's VMM allowance.
+    /// memory limit is this plus the daemon's VMM allowance. With `template`: the default (256)
+    /// means the template's; any other value must be the template's.
     #[serde(default = "default_memory_mib")]
     #[cfg_attr(feature = "openapi", schema(default = 256, minimum = 16))]
     pub memory_mib: u32,
@@ -103,6 +105,13 @@ pub struct CreateSandbox {
     /// The sandbox's network. None: no network at all (no device, no proxy, no way out).
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// Name of a template in the daemon's `<state_dir>/templates/` (a snapshot of a booted,
+    /// prepared sandbox, as `bulkhead template create` makes): the sandbox is restored from it
+    /// instead of booted, and continues where the template's preparation left it. Its kernel,
+    /// guest memory and vCPUs are the template's; `kernel`, `image`, `disk_mib`, `workspace`,
+    /// `mounts` and `network` are not supported with a template yet. None: boot.
+    #[serde(default)]
+    pub template: Option<String>,
 }
 
 /// A sandbox's network (see docs/network.md): every connection leaves through the host's egress
@@ -185,6 +194,7 @@ impl Default for CreateSandbox {
             workdir: None,
             user: None,
             network: None,
+            template: None,
         }
     }
 }
@@ -202,13 +212,23 @@ pub enum SandboxState {
     Failed,
     /// Being destroyed.
     Destroying,
+    /// Being paused: its VM is being saved to the daemon's state directory.
+    Pausing,
+    /// Paused: its VM was saved to the daemon's state directory and stopped (no VMM, no guest
+    /// memory in use); `POST .../resume` continues it where it was.
+    Paused,
+    /// Being resumed from its saved VM.
+    Resuming,
 }
 
 impl SandboxState {
     /// Every state, in lifecycle order.
-    pub const ALL: [SandboxState; 4] = [
+    pub const ALL: [SandboxState; 7] = [
         SandboxState::Creating,
         SandboxState::Running,
+        SandboxState::Pausing,
+        SandboxState::Paused,
+        SandboxState::Resuming,
         SandboxState::Failed,
         SandboxState::Destroying,
     ];
@@ -220,6 +240,9 @@ impl SandboxState {
             SandboxState::Running => "running",
             SandboxState::Failed => "failed",
             SandboxState::Destroying => "destroying",
+            SandboxState::Pausing => "pausing",
+            SandboxState::Paused => "paused",
+            SandboxState::Resuming => "resuming",
         }
     }
 }
@@ -229,8 +252,9 @@ impl SandboxState {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Failure {
     /// Short machine-readable reason: `guest_shutdown`, `stopped`, `guest_crash`,
-    /// `seccomp_violation`, `vmm_error`, `killed`, `vanished` (see docs/daemon.md), or
-    /// `destroy_failed`.
+    /// `seccomp_violation`, `vmm_error`, `killed`, `vanished` (see docs/daemon.md),
+    /// `destroy_failed`, `pause_failed` (saving the VM failed, and the VM is lost) or
+    /// `snapshot_missing` (a paused sandbox's saved VM was gone at a daemon start).
     pub reason: String,
     /// Human-readable detail (the VMM's exit status or the start error; for
     /// `seccomp_violation`, the blocked system call's number and thread kind).
@@ -291,6 +315,9 @@ pub struct SandboxInfo {
     /// The network as asked for; None: no network.
     #[serde(default)]
     pub network: Option<NetworkRequest>,
+    /// The template it was restored from; None: it booted.
+    #[serde(default)]
+    pub template: Option<String>,
     /// Host limits of the VMM process.
     pub limits: Limits,
     /// Host process ID of the VMM while it runs: with the jail (a daemon running as root), the

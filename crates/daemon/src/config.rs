@@ -360,6 +360,13 @@ impl Config {
         }
     }
 
+    /// Where `template` in create requests resolves: `<state_dir>/templates/NAME/`, a snapshot
+    /// directory as `bulkhead template create` makes (`state`, `memory`, `sandbox.json`),
+    /// copied or created there by an operator.
+    pub fn templates_dir(&self) -> PathBuf {
+        self.state_dir.join("templates")
+    }
+
     /// Parent of the VMs' runtime directories: `runtime_dir`, else the socket's directory.
     pub fn vm_runtime_root(&self) -> PathBuf {
         let base = match &self.runtime_dir {

@@ -6,7 +6,12 @@
 //! A record holds the sandbox's [`SandboxSpec`] (the domain type every front end builds VMs
 //! from), not the HTTP request, and carries its format version, `schema`
 //! ([`RECORD_SCHEMA`]). Version 1 records (before the field existed, with the create request
-//! as `spec`) are migrated when read ([`Record::parse`]).
+//! as `spec`) are migrated when read ([`Record::parse`]); version 2 records (before `paused`
+//! and `template`) read as they are.
+//!
+//! A paused sandbox's saved VM lives beside the records, in `<state_dir>/paused/<id>/`
+//! ([`Store::paused_dir`]): its record (phase `paused`) and those files are all it has, so it
+//! survives daemon restarts.
 
 use std::fs;
 use std::io::{self, Write};
@@ -45,10 +50,15 @@ pub enum Phase {
     Running,
     /// The VM ended; kept (with its logs) until deleted.
     Failed,
+    /// The VM was saved into [`Store::paused_dir`] and stopped; `sandbox` is None.
+    Paused,
 }
 
 /// The record format this daemon writes.
-pub const RECORD_SCHEMA: u32 = 2;
+pub const RECORD_SCHEMA: u32 = 3;
+
+/// The oldest record format read as it is (version 2 lacks only `template`, which defaults).
+const SAME_LAYOUT_SINCE: u64 = 2;
 
 /// Everything the daemon needs to adopt or clean up one sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -76,6 +86,9 @@ pub struct Record {
     pub sandbox: Option<SandboxState>,
     /// Set when failed.
     pub failure: Option<Failure>,
+    /// The template it was restored from, when it was.
+    #[serde(default)]
+    pub template: Option<String>,
 }
 
 /// A version 1 record: the same fields without `schema`, with the create request as `spec`.
@@ -116,8 +129,10 @@ impl Record {
             None => Ok(serde_json::from_value::<RecordV1>(value)
                 .map_err(malformed)?
                 .migrate()),
-            Some(Some(v)) if v == u64::from(RECORD_SCHEMA) => {
-                serde_json::from_value(value).map_err(malformed)
+            Some(Some(v)) if (SAME_LAYOUT_SINCE..=u64::from(RECORD_SCHEMA)).contains(&v) => {
+                let mut record: Record = serde_json::from_value(value).map_err(malformed)?;
+                record.schema = RECORD_SCHEMA;
+                Ok(record)
             }
             Some(Some(v)) if v > u64::from(RECORD_SCHEMA) => {
                 Err(RecordError::Newer(u32::try_from(v).unwrap_or(u32::MAX)))
@@ -141,27 +156,35 @@ impl RecordV1 {
             limits: self.limits,
             sandbox: self.sandbox,
             failure: self.failure,
+            template: None,
         }
     }
 }
+
+/// Directory of the paused sandboxes' saved VMs in the state directory.
+pub const PAUSED_DIR: &str = "paused";
 
 /// The record directory, locked for this daemon's lifetime.
 #[derive(Debug)]
 pub struct Store {
     dir: PathBuf,
+    paused: PathBuf,
     _lock: fs::File,
 }
 
 impl Store {
-    /// Creates `<state_dir>/sandboxes` (mode 0700) and takes the state dir's lock
-    /// (`<state_dir>/bulkheadd.lock`, flock(2)), so two daemons never share one state dir.
+    /// Creates `<state_dir>/sandboxes` and `<state_dir>/paused` (mode 0700) and takes the state
+    /// dir's lock (`<state_dir>/bulkheadd.lock`, flock(2)), so two daemons never share one state
+    /// dir.
     ///
     /// # Errors
     /// [`StoreError::Locked`] when another daemon holds it; [`StoreError::Io`].
     pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
         let dir = state_dir.join("sandboxes");
+        let paused = state_dir.join(PAUSED_DIR);
         create_private_dir(state_dir)?;
         create_private_dir(&dir)?;
+        create_private_dir(&paused)?;
         let lock_path = state_dir.join("bulkheadd.lock");
         let lock = fs::File::options()
             .create(true)
@@ -179,7 +202,11 @@ impl Store {
         if rc != 0 {
             return Err(StoreError::Locked(state_dir.to_owned()));
         }
-        let store = Store { dir, _lock: lock };
+        let store = Store {
+            dir,
+            paused,
+            _lock: lock,
+        };
         store.remove_temporaries();
         Ok(store)
     }
@@ -243,6 +270,34 @@ impl Store {
         self.dir.join(format!("{id}.json"))
     }
 
+    /// Where the VM of sandbox `id` is saved while it is paused: `<state_dir>/paused/<id>`.
+    pub fn paused_dir(&self, id: &str) -> PathBuf {
+        self.paused.join(id)
+    }
+
+    /// The IDs that have a directory in `<state_dir>/paused/` (to find strays).
+    pub fn paused_ids(&self) -> Vec<String> {
+        let Ok(entries) = fs::read_dir(&self.paused) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+            .collect()
+    }
+
+    /// Removes the saved VM of sandbox `id` (no error when there is none).
+    ///
+    /// # Errors
+    /// [`StoreError::Io`].
+    pub fn remove_paused(&self, id: &str) -> Result<(), StoreError> {
+        let path = self.paused_dir(id);
+        match fs::remove_dir_all(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(&path)(e)),
+            _ => Ok(()),
+        }
+    }
+
     fn remove_temporaries(&self) {
         let Ok(entries) = fs::read_dir(&self.dir) else {
             return;
@@ -296,6 +351,7 @@ mod tests {
             },
             sandbox: None,
             failure: None,
+            template: None,
         }
     }
 
@@ -343,6 +399,31 @@ mod tests {
         assert_eq!(spec.labels.get("k").map(String::as_str), Some("v"));
         assert!(spec.mounts[0].read_only);
         assert_eq!(record.expires_at_ms, Some(60001));
+    }
+
+    #[test]
+    fn a_version_2_record_reads_without_a_template_and_a_paused_one_round_trips() {
+        // Arrange: a record as daemons before pause and templates wrote it.
+        let mut v2 = serde_json::to_value(record("0123456789ab")).unwrap();
+        v2["schema"] = serde_json::json!(2);
+        v2.as_object_mut().unwrap().remove("template");
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let mut paused = record("ba9876543210");
+        paused.phase = Phase::Paused;
+        paused.template = Some("py".into());
+
+        // Act
+        let read = Record::parse(v2.to_string().as_bytes()).unwrap();
+        store.save(&paused).unwrap();
+        let loaded = store.load_all();
+
+        // Assert
+        assert_eq!(read, record("0123456789ab"));
+        assert_eq!(loaded, vec![paused]);
+        assert!(store
+            .paused_dir("ba9876543210")
+            .starts_with(dir.path().join("paused")));
     }
 
     #[test]

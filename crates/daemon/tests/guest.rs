@@ -352,6 +352,74 @@ vm_test!(
     }
 );
 
+/// The output of `sh -c script` in sandbox `id`, with the daemon's logs on failure.
+fn sh(daemon: &TestDaemon, id: &str, script: &str) -> String {
+    let out = rt()
+        .block_on(
+            daemon
+                .client()
+                .exec_collect(id, &ExecSpec::new(["sh", "-c", script])),
+        )
+        .unwrap_or_else(|e| panic!("{script}: {e}\n{}", vm_logs(&daemon.vms_dir())));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+vm_test!(
+    fn a_paused_real_vm_has_no_vmm_and_resumes_with_its_files_and_processes() {
+        // Arrange: a file in guest RAM and a process left running.
+        let daemon = real_daemon("", &[]);
+        let client = daemon.client();
+        let rt = rt();
+        let sb = rt.block_on(client.create(&small(64))).unwrap();
+        sh(
+            &daemon,
+            &sb.id,
+            "echo 42 > /tmp/x; sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > /tmp/pid",
+        );
+        let old_vmm = sb.vmm_pid.unwrap();
+
+        // Act
+        let paused = rt.block_on(client.pause(&sb.id));
+        let vmm_after_pause = common::alive(old_vmm);
+        let resumed = rt.block_on(client.resume(&sb.id));
+        let file = sh(&daemon, &sb.id, "cat /tmp/x");
+        let sleeper = sh(&daemon, &sb.id, "kill -0 $(cat /tmp/pid) && echo alive");
+        let paused_again = rt.block_on(client.pause(&sb.id));
+        rt.block_on(client.delete(&sb.id)).unwrap();
+
+        // Assert
+        let fail = |e: bulkhead_client::Error| -> ! {
+            panic!(
+                "{e}\n{}\n--- daemon\n{}",
+                vm_logs(&daemon.vms_dir()),
+                daemon.log()
+            )
+        };
+        assert_eq!(
+            paused.unwrap_or_else(|e| fail(e)).state,
+            SandboxState::Paused
+        );
+        assert!(
+            !vmm_after_pause,
+            "the VMM {old_vmm} still runs after the pause"
+        );
+        let resumed = resumed.unwrap_or_else(|e| fail(e));
+        assert_eq!(resumed.state, SandboxState::Running);
+        assert_eq!(file, "42\n");
+        assert_eq!(sleeper, "alive\n", "the process started before the pause");
+        assert_eq!(
+            paused_again.unwrap_or_else(|e| fail(e)).state,
+            SandboxState::Paused
+        );
+        assert_eq!(
+            common::list(&daemon.state_dir.join("paused")),
+            Vec::<std::path::PathBuf>::new()
+        );
+        let new_vmm = resumed.vmm_pid.unwrap();
+        assert_eq!(daemon.leftovers(&[old_vmm, new_vmm]), Vec::<String>::new());
+    }
+);
+
 vm_test!(
     /// The TTL counts from the create request, and a nested guest's boot takes seconds of it, so
     /// this checks from the create answer (an upper bound); `tests/lifecycle.rs` checks the exact

@@ -81,6 +81,8 @@ fn the_openapi_document_is_valid_and_matches_the_routes() {
         ("GET", "/v1/sandboxes"),
         ("GET", "/v1/sandboxes/{id}"),
         ("DELETE", "/v1/sandboxes/{id}"),
+        ("POST", "/v1/sandboxes/{id}/pause"),
+        ("POST", "/v1/sandboxes/{id}/resume"),
         ("GET", "/v1/sandboxes/{id}/logs"),
         ("GET", "/v1/sandboxes/{id}/egress"),
         ("POST", "/v1/sandboxes/{id}/exec"),

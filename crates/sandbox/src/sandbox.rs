@@ -602,7 +602,7 @@ impl Sandbox {
         self.teardown()
     }
 
-    fn teardown(&mut self) -> Result<(), Error> {
+    pub(crate) fn teardown(&mut self) -> Result<(), Error> {
         let result = match self.child.take() {
             Some(mut child) => child
                 .terminate(STOP_GRACE)

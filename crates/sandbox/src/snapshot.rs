@@ -100,7 +100,7 @@ impl Manifest {
 
 impl Sandbox {
     /// Snapshots the sandbox's VM into `dir` (created if missing) and ends the sandbox, as
-    /// `destroy` does. Take it when nothing runs that needs the host: connections to the
+    /// `destroy` does (what is left of `self` is an ended sandbox, for its caller to drop). Take it when nothing runs that needs the host: connections to the
     /// sandbox are reset in every restored copy.
     ///
     /// A jailed VMM writes the snapshot into its runtime directory's `vmm/snapshot` (the only
@@ -110,7 +110,7 @@ impl Sandbox {
     /// [`Error::Snapshot`] when the VMM has no control socket (a sandbox adopted from an older
     /// bulkhead), the VMM refuses (e.g. a virtio-fs share is mounted in the guest) or the files
     /// cannot be written; the sandbox keeps running when the VMM refused.
-    pub fn snapshot_into(mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
+    pub fn snapshot_into(&mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
         let runtime = self.dir.clone().unwrap_or_default();
         let socket = runtime.join(API_SOCKET);
         if !socket.exists() {
@@ -153,7 +153,7 @@ impl Sandbox {
         if self.wait_exit(EXIT_AFTER_SNAPSHOT)?.is_none() {
             tracing::warn!("the VMM did not exit after its snapshot; stopping it");
         }
-        self.destroy()?;
+        self.teardown()?;
         Ok(manifest)
     }
 

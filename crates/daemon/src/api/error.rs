@@ -92,12 +92,16 @@ impl From<ManagerError> for ApiError {
             ManagerError::UnknownName { what: "kernel", .. } => {
                 (StatusCode::NOT_FOUND, "kernel_not_found")
             }
+            ManagerError::UnknownName {
+                what: "template", ..
+            } => (StatusCode::NOT_FOUND, "template_not_found"),
             ManagerError::UnknownName { .. } => (StatusCode::NOT_FOUND, "image_not_found"),
             ManagerError::InsufficientMemory(_) => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "insufficient_memory")
             }
             ManagerError::TooMany(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_sandboxes"),
             ManagerError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            ManagerError::Unsupported(_) => (StatusCode::CONFLICT, "not_supported"),
             ManagerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
             ManagerError::BootTimeout(_) => (StatusCode::GATEWAY_TIMEOUT, "boot_timeout"),
             ManagerError::VmExited(_) => (StatusCode::BAD_GATEWAY, "vm_exited"),

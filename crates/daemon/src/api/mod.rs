@@ -35,6 +35,8 @@ pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
         sandboxes::list,
         sandboxes::get_one,
         sandboxes::delete,
+        sandboxes::pause,
+        sandboxes::resume,
         sandboxes::logs,
         sandboxes::egress,
         exec::exec_stream,
@@ -96,6 +98,8 @@ pub fn router(manager: Manager) -> Router {
             "/v1/sandboxes/{id}",
             get(sandboxes::get_one).delete(sandboxes::delete),
         )
+        .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
+        .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/logs", get(sandboxes::logs))
         .route("/v1/sandboxes/{id}/egress", get(sandboxes::egress))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec_stream))

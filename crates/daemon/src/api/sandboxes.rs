@@ -1,4 +1,4 @@
-//! `/v1/sandboxes`: create, list, inspect, delete, logs, egress log.
+//! `/v1/sandboxes`: create, list, inspect, delete, pause, resume, logs, egress log.
 
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, StatusCode};
@@ -14,13 +14,13 @@ const DEFAULT_LOG_LINES: usize = 200;
 const MAX_LOG_LINES: usize = 10_000;
 
 /// Boots a sandbox, on a root filesystem image of the daemon's image store when `image` is
-/// given (with a scratch disk of `disk_mib` for its writable layer); answers once its guest
-/// agent is ready.
+/// given (with a scratch disk of `disk_mib` for its writable layer), or restores it from the
+/// template `template` of `<state_dir>/templates/`; answers once its guest agent is ready.
 #[utoipa::path(post, path = "/v1/sandboxes", tag = "sandboxes", request_body = CreateSandbox,
     responses(
         (status = 201, description = "Running", body = SandboxInfo),
-        (status = 400, description = "Invalid request (malformed JSON, unknown field, value out of range, invalid image or kernel name, disk_mib without image, a share outside mount_roots)", body = ErrorBody),
-        (status = 404, description = "A kernel or image the daemon does not have (code kernel_not_found or image_not_found; the message lists those it has)", body = ErrorBody),
+        (status = 400, description = "Invalid request (malformed JSON, unknown field, value out of range, invalid image, kernel or template name, disk_mib without image, a share outside mount_roots; with a template: vcpus or memory_mib other than the template's, or a setting not supported with a template yet)", body = ErrorBody),
+        (status = 404, description = "A kernel, image or template the daemon does not have (code kernel_not_found, image_not_found or template_not_found; the message lists those it has)", body = ErrorBody),
         (status = 413, description = "Body larger than 1 MiB", body = ErrorBody),
         (status = 422, description = "Not enough host memory", body = ErrorBody),
         (status = 429, description = "Sandbox limit reached", body = ErrorBody),
@@ -88,6 +88,47 @@ pub async fn delete(
 ) -> Result<StatusCode, ApiError> {
     manager.destroy(&id).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Pauses a running sandbox: saves its VM (memory, vCPU and device state) into the daemon's
+/// state directory and stops its VMM, freeing its memory. The sandbox stays listed in state
+/// `paused`, also across daemon restarts, until it is resumed or deleted (which deletes the
+/// saved VM). Pausing a paused sandbox changes nothing.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
+    responses(
+        (status = 200, description = "Paused", body = SandboxInfo),
+        (status = 400, description = "An ambiguous ID prefix", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Not running (code conflict), or a sandbox that cannot be paused yet: one with a workspace, mounts, a network or a root filesystem image, or a VMM without a control socket (code not_supported); nothing changed", body = ErrorBody),
+        (status = 500, description = "Saving the VM failed; the VM is lost and the sandbox is failed (reason pause_failed)", body = ErrorBody)))]
+pub async fn pause(
+    State(manager): State<Manager>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(manager.pause(&id).await?))
+}
+
+/// Resumes a paused sandbox: a new VMM restores its saved VM, in its cgroup with the limits of
+/// its create, under the same ID; its processes and files are as they were. Answers once its
+/// agent is back; the saved VM is then deleted. Resuming a running sandbox changes nothing.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", tag = "sandboxes",
+    params(("id" = String, Path, description = "Sandbox ID, or a prefix of it that no other ID starts with")),
+    responses(
+        (status = 200, description = "Running", body = SandboxInfo),
+        (status = 400, description = "An ambiguous ID prefix", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "Neither paused nor running", body = ErrorBody),
+        (status = 422, description = "Not enough host memory; the sandbox stays paused", body = ErrorBody),
+        (status = 500, description = "The VM could not be restored (code start_failed); the sandbox stays paused with its saved VM, to retry or delete", body = ErrorBody),
+        (status = 502, description = "The restored VM ended or its VMM died (code vm_exited); the sandbox stays paused with its saved VM", body = ErrorBody),
+        (status = 503, description = "The daemon is shutting down", body = ErrorBody),
+        (status = 504, description = "The restored guest's agent did not answer within boot_timeout_s (code boot_timeout); the sandbox stays paused with its saved VM", body = ErrorBody)))]
+pub async fn resume(
+    State(manager): State<Manager>,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxInfo>, ApiError> {
+    Ok(Json(manager.resume(&id).await?))
 }
 
 /// The sandbox's egress log: one JSON object per line for each decision of its egress proxy

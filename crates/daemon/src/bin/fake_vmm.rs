@@ -10,6 +10,15 @@
 //! and, when a `Shutdown` request ends the "guest", writes the exit report of a guest reset there,
 //! as `bulkhead-vmm` would (`--timings-json` and the jail's flags are accepted and ignored).
 //!
+//! Snapshots, as far as a host process can fake them: with `--api-sock PATH` it serves the VMM's
+//! control socket (`bulkhead_vmm::control`), where `{"snapshot":{"dir":...}}` writes a `state`
+//! file (this fake's own JSON: vCPUs and memory) and a sparse `memory` file of the guest's size
+//! into the directory and, unless `"resume": true`, ends the process as a stopped VM ends
+//! `bulkhead-vmm`. `--restore DIR --vsock-uds PATH` starts from such a directory instead of a
+//! configuration: it serves the agent on PATH without a readiness announcement, as a restored
+//! guest's agent does. The "guest" is this host either way, so its files (and any processes
+//! left running) are the host's, not saved ones; a real snapshot test needs `bulkhead-vmm`.
+//!
 //! A clone workspace (a read-only share tagged `workspace`) has no overlay here: the agent
 //! reports the changes of `workspace-upper/` next to the VM configuration (which tests fill as
 //! an overlay's upper directory) against the shared directory.
@@ -27,8 +36,10 @@ use bulkhead_agent::server::{self, ReadyTarget, ShutdownAction};
 use bulkhead_agent::{clock, reaper, workspace};
 use bulkhead_protocol::{Ready, AGENT_PORT, PROTOCOL_VERSION, READY_PORT};
 use bulkhead_vmm::config::VmConfig;
+use bulkhead_vmm::control::{Answer, Request};
 use bulkhead_vmm::exit_report::{ExitFile, ExitReport};
 use bulkhead_vmm::ExitReason;
+use serde::{Deserialize, Serialize};
 
 /// Longest handshake line accepted, bytes.
 const MAX_LINE: usize = 64;
@@ -49,20 +60,77 @@ static EXIT_FILE: OnceLock<std::sync::Mutex<Option<ExitFile>>> = OnceLock::new()
 
 /// Ends the process as a guest reset ends `bulkhead-vmm`: the report first, then exit 0.
 fn guest_reset() -> ! {
+    end_vm(&ExitReason::Reset)
+}
+
+/// Writes the exit report of `reason` (once) and exits 0.
+fn end_vm(reason: &ExitReason) -> ! {
     let file = EXIT_FILE.get().and_then(|f| f.lock().ok()?.take());
     if let Some(file) = file {
-        let _ = file.write(&ExitReport::of_run(&ExitReason::Reset, None));
+        let _ = file.write(&ExitReport::of_run(reason, None));
     }
     std::process::exit(0)
 }
 
+/// The `state` file of this fake's snapshots.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FakeState {
+    /// Always true: marks the fake's format.
+    fake_vmm: bool,
+    vcpus: u8,
+    memory_mib: u32,
+}
+
 fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
-    let Args { config, exit_file } = parse_args()?;
-    if let Some(path) = exit_file {
-        let file = ExitFile::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let args = parse_args()?;
+    if let Some(path) = &args.exit_file {
+        let file = ExitFile::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let _ = EXIT_FILE.set(std::sync::Mutex::new(Some(file)));
     }
-    let vm = VmConfig::from_file(&config).map_err(|e| e.to_string())?;
+    match (&args.config, &args.restore) {
+        (Some(config), None) => boot(config, &args, started),
+        (None, Some(dir)) => restore(dir, &args),
+        _ => Err(USAGE.into()),
+    }
+}
+
+/// `--restore DIR`: the "guest" of a snapshot, its agent on `--vsock-uds`, announcing nothing.
+fn restore(dir: &std::path::Path, args: &Args) -> Result<(), String> {
+    let path = dir.join("state");
+    let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let state: FakeState = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{}: not a fake VMM snapshot: {e}", path.display()))?;
+    let uds = args.vsock_uds.as_ref().ok_or(USAGE)?;
+    start_guest()?;
+    println!(
+        "fake-vmm: restoring {} vCPU(s), {} MiB from {} (pid {})",
+        state.vcpus,
+        state.memory_mib,
+        dir.display(),
+        std::process::id()
+    );
+    let listener = UnixListener::bind(uds).map_err(|e| format!("bind {}: {e}", uds.display()))?;
+    serve_control(args.api_sock.as_deref(), state)?;
+    println!("fake-vmm: restored");
+    accept(listener)
+}
+
+/// The process-wide part of a "guest": the agent's commands are our children; reap them (and
+/// their orphans) as PID 1 would.
+fn start_guest() -> Result<(), String> {
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    reaper::start(false).map_err(|e| e.to_string())
+}
+
+/// `--config vm.json`: a booted "guest".
+fn boot(
+    config: &std::path::Path,
+    args: &Args,
+    started: bulkhead_protocol::BootTimestamps,
+) -> Result<(), String> {
+    let vm = VmConfig::from_file(config).map_err(|e| e.to_string())?;
     // Its "guest" is this host: a network would install the proxy's CA into the host's trust.
     if vm
         .cmdline
@@ -78,10 +146,7 @@ fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
         std::fs::create_dir_all(&upper).map_err(|e| format!("{}: {e}", upper.display()))?;
         workspace::use_layers(upper, share.path.clone());
     }
-    // Commands the agent runs are our children; reap them (and their orphans) as PID 1 would.
-    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) takes no pointers.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    reaper::start(false).map_err(|e| e.to_string())?;
+    start_guest()?;
     println!(
         "fake-vmm: booting {} vCPU(s), {} MiB (pid {})",
         vm.vcpus,
@@ -101,7 +166,18 @@ fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
     if !server::announce_ready(&ReadyTarget::Unix(ready_path), &ready) {
         return Err("cannot announce readiness".into());
     }
+    let sizes = FakeState {
+        fake_vmm: true,
+        vcpus: vm.vcpus,
+        memory_mib: vm.memory_mib,
+    };
+    serve_control(args.api_sock.as_deref(), sizes)?;
     println!("fake-vmm: agent ready");
+    accept(listener)
+}
+
+/// Hands every connection of the vsock socket to the agent.
+fn accept(listener: UnixListener) -> Result<(), String> {
     let _ = io::stdout().flush();
     for stream in listener.incoming() {
         match stream {
@@ -114,32 +190,94 @@ fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
     Ok(())
 }
 
+/// Serves the control socket at `path` (when given) on a thread of its own.
+fn serve_control(path: Option<&std::path::Path>, state: FakeState) -> Result<(), String> {
+    let Some(path) = path else {
+        return Ok(());
+    };
+    let listener = UnixListener::bind(path).map_err(|e| format!("bind {}: {e}", path.display()))?;
+    let path = path.to_owned();
+    thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            control(stream, &path, state);
+        }
+    });
+    Ok(())
+}
+
+/// Answers one control request; a snapshot without `resume` ends the process afterwards.
+fn control(stream: UnixStream, socket: &std::path::Path, state: FakeState) {
+    let mut line = String::new();
+    if io::BufRead::read_line(&mut io::BufReader::new(&stream), &mut line).is_err() {
+        return;
+    }
+    let (result, stop) = match serde_json::from_str::<Request>(line.trim()) {
+        Ok(Request::Pause | Request::Resume) => (Ok(()), false),
+        Ok(Request::Snapshot(req)) => (write_snapshot(&req.dir, state), !req.resume),
+        Err(e) => (Err(format!("bad request: {e}")), false),
+    };
+    let stop = stop && result.is_ok();
+    let mut answer = serde_json::to_vec(&Answer::of(result)).unwrap_or_default();
+    answer.push(b'\n');
+    let _ = (&stream).write_all(&answer);
+    drop(stream);
+    if stop {
+        let _ = std::fs::remove_file(socket);
+        println!("fake-vmm: stopped after the snapshot");
+        let _ = io::stdout().flush();
+        end_vm(&ExitReason::Stopped);
+    }
+}
+
+/// Writes this fake's `state` and a sparse `memory` file of the guest's size into `dir`.
+fn write_snapshot(dir: &std::path::Path, state: FakeState) -> Result<(), String> {
+    let failed = |e: io::Error| format!("{}: {e}", dir.display());
+    std::fs::create_dir_all(dir).map_err(failed)?;
+    let json = serde_json::to_vec(&state).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("state"), json).map_err(failed)?;
+    let memory = std::fs::File::create(dir.join("memory")).map_err(failed)?;
+    memory
+        .set_len(u64::from(state.memory_mib) << 20)
+        .map_err(failed)
+}
+
 /// The arguments used.
 struct Args {
-    config: PathBuf,
+    config: Option<PathBuf>,
+    restore: Option<PathBuf>,
+    vsock_uds: Option<PathBuf>,
+    api_sock: Option<PathBuf>,
     exit_file: Option<PathBuf>,
 }
 
+const USAGE: &str = "usage: bulkhead-fake-vmm (--config vm.json | --restore DIR --vsock-uds PATH) \
+     [--api-sock PATH] [--exit-file FILE] [--serial OUT] [--timings-json FILE] \
+     [--jail-uid U --jail-gid G --jail-root DIR]";
+
 fn parse_args() -> Result<Args, String> {
-    const USAGE: &str =
-        "usage: bulkhead-fake-vmm --config vm.json [--exit-file FILE] [--timings-json FILE] \
-         [--jail-uid U --jail-gid G --jail-root DIR]";
     let mut args = std::env::args_os().skip(1);
-    let (mut config, mut exit_file) = (None, None);
+    let mut parsed = Args {
+        config: None,
+        restore: None,
+        vsock_uds: None,
+        api_sock: None,
+        exit_file: None,
+    };
     while let Some(flag) = args.next() {
         let value = args.next().map(PathBuf::from).ok_or(USAGE)?;
         match flag.to_str() {
-            Some("--config") => config = Some(value),
-            Some("--exit-file") => exit_file = Some(value),
-            // Accepted as bulkhead-vmm accepts them; the fake neither times nor jails itself.
-            Some("--timings-json" | "--jail-uid" | "--jail-gid" | "--jail-root") => {}
+            Some("--config") => parsed.config = Some(value),
+            Some("--restore") => parsed.restore = Some(value),
+            Some("--vsock-uds") => parsed.vsock_uds = Some(value),
+            Some("--api-sock") => parsed.api_sock = Some(value),
+            Some("--exit-file") => parsed.exit_file = Some(value),
+            // Accepted as bulkhead-vmm accepts them; the fake neither times nor jails itself,
+            // and its serial console is its stdout.
+            Some("--timings-json" | "--jail-uid" | "--jail-gid" | "--jail-root" | "--serial") => {}
             _ => return Err(USAGE.into()),
         }
     }
-    Ok(Args {
-        config: config.ok_or(USAGE)?,
-        exit_file,
-    })
+    Ok(parsed)
 }
 
 /// Answers the hybrid handshake and hands the stream to the agent's request handler.

@@ -1,4 +1,5 @@
-//! Creating, watching, expiring, destroying and letting go of one sandbox.
+//! Creating (booting, or restoring from a template), watching, expiring, destroying and
+//! letting go of one sandbox.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,34 +11,29 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
 use super::images::remove_scratch;
+use super::templates::Template;
 use super::{failure, info_of, procs, Entry, EntryInner, Manager, ManagerError};
 use crate::cgroup::{CgroupManager, CgroupSpec, VmCgroup};
 use crate::store::{Phase, Record, Store, RECORD_SCHEMA};
 use crate::util;
 
 impl Manager {
-    /// Registers a new sandbox (record first), boots it and reports it running.
+    /// Registers a new sandbox (record first), boots it (or restores it from `template`) and
+    /// reports it running.
     pub(super) async fn create_vm(
         &self,
         spec: SandboxSpec,
         ttl_s: Option<u64>,
         recipe: Recipe,
+        template: Option<Template>,
     ) -> Result<SandboxInfo, ManagerError> {
         let started = Instant::now();
-        let entry = self.register(spec, ttl_s, &recipe)?;
+        let name = template.as_ref().map(|t| t.name.clone());
+        let entry = self.register(spec, ttl_s, &recipe, name)?;
         let _lifecycle = entry.lifecycle.lock().await;
         let record = entry.lock().record.clone();
-        let cgroups = self.inner.cgroups.clone();
-        // Wait for a boot slot (the semaphore is never closed); the boot timeout starts after.
-        let slot = self.inner.boot_slots.acquire().await;
-        let booted = tokio::task::spawn_blocking(move || boot(&record, recipe, cgroups.as_ref()))
-            .await
-            .unwrap_or_else(|e| {
-                Err(ManagerError::StartFailed(format!(
-                    "the boot task failed: {e}"
-                )))
-            });
-        drop(slot);
+        let from = template.map(|t| t.dir);
+        let booted = self.start_blocking(record, recipe, from).await;
         let sandbox = match booted {
             Ok(sandbox) => sandbox,
             Err(error) => {
@@ -50,9 +46,32 @@ impl Manager {
             }
         };
         let info = self.mark_running(&entry, sandbox)?;
+        self.watch_ttl(&entry);
         self.inner.metrics.created(started.elapsed().as_secs_f64());
         tracing::info!(id = %entry.id, "sandbox running after {:?}", started.elapsed());
         Ok(info)
+    }
+
+    /// Boots `recipe`'s VM for `record` (or restores the snapshot in `from`) on the blocking
+    /// pool, once a boot slot is free.
+    pub(super) async fn start_blocking(
+        &self,
+        record: Record,
+        recipe: Recipe,
+        from: Option<std::path::PathBuf>,
+    ) -> Result<Sandbox, ManagerError> {
+        let cgroups = self.inner.cgroups.clone();
+        // Wait for a boot slot (the semaphore is never closed); the boot timeout starts after.
+        let _slot = self.inner.boot_slots.acquire().await;
+        tokio::task::spawn_blocking(move || {
+            boot(&record, recipe, cgroups.as_ref(), from.as_deref())
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(ManagerError::StartFailed(format!(
+                "the boot task failed: {e}"
+            )))
+        })
     }
 
     /// Adds the entry in state `creating` and writes its record, before any resource exists.
@@ -61,6 +80,7 @@ impl Manager {
         spec: SandboxSpec,
         ttl_s: Option<u64>,
         recipe: &Recipe,
+        template: Option<String>,
     ) -> Result<Arc<Entry>, ManagerError> {
         let id = recipe.id.clone();
         let now = util::now_ms();
@@ -82,6 +102,7 @@ impl Manager {
             spec,
             sandbox: None,
             failure: None,
+            template,
         };
         let mut entries = self.entries();
         if entries.len() >= self.inner.config.max_sandboxes {
@@ -105,8 +126,8 @@ impl Manager {
         Ok(entry)
     }
 
-    /// Running: keep the VM, persist what adoption needs, watch the VMM and the TTL.
-    fn mark_running(
+    /// Running: keep the VM, persist what adoption needs, watch the VMM.
+    pub(super) fn mark_running(
         &self,
         entry: &Arc<Entry>,
         sandbox: Sandbox,
@@ -128,32 +149,29 @@ impl Manager {
         if let Err(e) = self.inner.store.save(&record) {
             tracing::error!(id = %entry.id, "cannot record the running sandbox: {e}");
         }
-        self.watch(entry.clone(), Some(pidfd), record.expires_at_ms);
+        self.watch_vmm(entry.clone(), pidfd);
         Ok(info)
     }
 
-    /// Starts the VMM-exit watcher and, with a TTL, the expiry timer.
-    pub(super) fn watch(
-        &self,
-        entry: Arc<Entry>,
-        pidfd: Option<std::os::fd::OwnedFd>,
-        expires_at_ms: Option<u64>,
-    ) {
-        if let Some(deadline) = expires_at_ms {
-            let this = self.clone();
-            let id = entry.id.clone();
-            tokio::spawn(async move {
-                let wait = deadline.saturating_sub(util::now_ms());
-                tokio::time::sleep(Duration::from_millis(wait)).await;
-                tracing::info!(id = %id, "TTL expired: destroying the sandbox");
-                if let Err(e) = this.destroy(&id).await {
-                    tracing::error!(id = %id, "TTL destroy: {e}");
-                }
-            });
-        }
-        let Some(pidfd) = pidfd else {
+    /// With a TTL, starts the expiry timer (once per sandbox: a resume keeps the first).
+    pub(super) fn watch_ttl(&self, entry: &Arc<Entry>) {
+        let Some(deadline) = entry.lock().record.expires_at_ms else {
             return;
         };
+        let this = self.clone();
+        let id = entry.id.clone();
+        tokio::spawn(async move {
+            let wait = deadline.saturating_sub(util::now_ms());
+            tokio::time::sleep(Duration::from_millis(wait)).await;
+            tracing::info!(id = %id, "TTL expired: destroying the sandbox");
+            if let Err(e) = this.destroy(&id).await {
+                tracing::error!(id = %id, "TTL destroy: {e}");
+            }
+        });
+    }
+
+    /// Starts the VMM-exit watcher on the VMM's `pidfd`.
+    pub(super) fn watch_vmm(&self, entry: Arc<Entry>, pidfd: std::os::fd::OwnedFd) {
         let this = self.clone();
         tokio::spawn(async move {
             // SAFETY: the AsyncFd owns the OwnedFd, which stays open on the same pidfd until the
@@ -205,12 +223,17 @@ impl Manager {
         }
     }
 
-    /// Destroys one entry (see [`Manager::destroy`]).
-    pub(super) async fn destroy_entry(&self, entry: Arc<Entry>) -> Result<(), ManagerError> {
+    /// Destroys one entry (see [`Manager::destroy`]); with `keep_paused` (a shutdown), a
+    /// paused one is left alone, saved in the state directory.
+    pub(super) async fn destroy_entry(
+        &self,
+        entry: Arc<Entry>,
+        keep_paused: bool,
+    ) -> Result<(), ManagerError> {
         let _lifecycle = entry.lifecycle.lock().await;
         let (sandbox, record, was) = {
             let mut inner = entry.lock();
-            if inner.removed {
+            if inner.removed || (keep_paused && inner.state == SandboxState::Paused) {
                 return Ok(());
             }
             let was = inner.state;
@@ -269,12 +292,13 @@ impl Manager {
 }
 
 /// Blocking: creates the cgroup and boots the recipe's VM in it, with its root image and scratch
-/// disk (made in the runtime directory). On failure everything made is removed (the scratch disk
-/// with the runtime directory).
+/// disk (made in the runtime directory), or restores the snapshot in `from` there. On failure
+/// everything made is removed (the scratch disk with the runtime directory); the snapshot stays.
 fn boot(
     record: &Record,
     mut recipe: Recipe,
     cgroups: Option<&CgroupManager>,
+    from: Option<&Path>,
 ) -> Result<Sandbox, ManagerError> {
     let result = (|| {
         if let (Some(manager), Some(spec)) = (cgroups, &record.cgroup) {
@@ -283,7 +307,11 @@ fn boot(
                 .map_err(|e| ManagerError::StartFailed(e.to_string()))?;
             recipe.config.cgroup_procs = cgroup.procs_files();
         }
-        Sandbox::start_with(&recipe.config, &recipe.storage).map_err(start_error)
+        match from {
+            None => Sandbox::start_with(&recipe.config, &recipe.storage),
+            Some(dir) => Sandbox::restore(&recipe.config, dir),
+        }
+        .map_err(start_error)
     })();
     if result.is_err() {
         cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());
@@ -303,7 +331,8 @@ fn start_error(err: bulkhead_sandbox::Error) -> ManagerError {
     }
 }
 
-/// Blocking: stops the VM and removes its cgroup, runtime files and record, in that order.
+/// Blocking: stops the VM and removes its cgroup, runtime files, saved VM (when paused) and
+/// record, in that order.
 pub(super) fn teardown(
     sandbox: Option<Sandbox>,
     record: &Record,
@@ -319,6 +348,7 @@ pub(super) fn teardown(
         VmCgroup::load(spec).remove().map_err(|e| e.to_string())?;
     }
     remove_dir(&record.runtime_parent)?;
+    store.remove_paused(&record.id).map_err(|e| e.to_string())?;
     store.remove(&record.id).map_err(|e| e.to_string())
 }
 

@@ -7,6 +7,10 @@
 //!              (error)                          destroying ──▶ gone (VMM, cgroup, files, record)
 //! ```
 //!
+//! A create that names a template restores the template's VM instead of booting one
+//! ([`templates`]); a running sandbox can be paused (its VM saved in the state directory) and
+//! resumed ([`pause`]).
+//!
 //! Each sandbox's record is written before any of its resources exist and removed after they
 //! are all gone, so a daemon killed at any moment leaves a record that names everything to adopt
 //! or clean up ([`recover`]). Creation and destruction of one sandbox are serialized by its
@@ -15,9 +19,11 @@
 
 mod images;
 mod lifecycle;
+pub mod pause;
 pub mod plan;
 pub mod procs;
 mod recover;
+pub mod templates;
 mod workspace;
 
 pub use workspace::WorkspaceFailure;
@@ -56,11 +62,11 @@ pub enum ManagerError {
         /// The IDs it matches, sorted.
         matches: Vec<String>,
     },
-    /// A kernel or image the daemon does not have (404, code `kernel_not_found` or
-    /// `image_not_found`).
+    /// A kernel, image or template the daemon does not have (404, code `kernel_not_found`,
+    /// `image_not_found` or `template_not_found`).
     #[error("{message}")]
     UnknownName {
-        /// `kernel` or `image`.
+        /// `kernel`, `image` or `template`.
         what: &'static str,
         /// The explanation, with the names there are.
         message: String,
@@ -79,6 +85,9 @@ pub enum ManagerError {
         /// Its state.
         state: &'static str,
     },
+    /// The sandbox cannot do this (yet), whatever its state (409, code `not_supported`).
+    #[error("{0}")]
+    Unsupported(String),
     /// The daemon is stopping (503).
     #[error("the daemon is shutting down")]
     ShuttingDown,
@@ -176,6 +185,11 @@ impl Manager {
         Ok(manager)
     }
 
+    /// Whether the daemon is stopping (new sandboxes and resumes are refused).
+    fn is_shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::SeqCst)
+    }
+
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.inner.config
@@ -267,6 +281,10 @@ impl Manager {
                 client: sandbox.client(),
                 exec: ExecDefaults::of(&inner.record.spec).with_network(sandbox.egress_env()),
             }),
+            (SandboxState::Paused, _) => Err(ManagerError::Conflict {
+                id: entry.id.clone(),
+                state: "paused (resume it first)",
+            }),
             (state, _) => Err(ManagerError::Conflict {
                 id: entry.id.clone(),
                 state: state.as_str(),
@@ -320,23 +338,33 @@ impl Manager {
         }
     }
 
-    /// Boots a sandbox; returns once its agent is ready.
+    /// Boots a sandbox, or restores it from the template the request names; returns once its
+    /// agent is ready.
     ///
     /// # Errors
-    /// [`ManagerError::Invalid`], [`ManagerError::InsufficientMemory`],
-    /// [`ManagerError::TooMany`], [`ManagerError::ShuttingDown`], [`ManagerError::StartFailed`].
+    /// [`ManagerError::Invalid`], [`ManagerError::UnknownName`],
+    /// [`ManagerError::InsufficientMemory`], [`ManagerError::TooMany`],
+    /// [`ManagerError::ShuttingDown`], [`ManagerError::StartFailed`].
     pub async fn create(&self, request: CreateSandbox) -> Result<SandboxInfo, ManagerError> {
-        if self.inner.shutting_down.load(Ordering::SeqCst) {
+        if self.is_shutting_down() {
             return Err(ManagerError::ShuttingDown);
         }
         let id =
             util::new_id().map_err(|e| ManagerError::Internal(format!("no sandbox id: {e}")))?;
         let config = &self.inner.config;
+        let template = match &request.template {
+            Some(name) => Some(templates::resolve(config, name)?),
+            None => None,
+        };
+        let request = match &template {
+            Some(t) => templates::fit(&request, t)?,
+            None => request,
+        };
         let (spec, recipe) = plan::plan(config, &request, plan::host_facts(config), &id)?;
         let this = self.clone();
         let ttl_s = request.ttl_s;
         // Run to the end even when the client goes away, so nothing is left half made.
-        tokio::spawn(async move { this.create_vm(spec, ttl_s, recipe).await })
+        tokio::spawn(async move { this.create_vm(spec, ttl_s, recipe, template).await })
             .await
             .map_err(|e| ManagerError::Internal(format!("the create task failed: {e}")))?
     }
@@ -353,13 +381,14 @@ impl Manager {
             return Ok(());
         };
         let this = self.clone();
-        tokio::spawn(async move { this.destroy_entry(entry).await })
+        tokio::spawn(async move { this.destroy_entry(entry, false).await })
             .await
             .map_err(|e| ManagerError::Internal(format!("the destroy task failed: {e}")))?
     }
 
     /// Stops taking new sandboxes and, per [`Config::on_shutdown`], destroys every sandbox or
-    /// lets go of them (they keep running, recorded for the next start).
+    /// lets go of them (they keep running, recorded for the next start). Paused sandboxes stay
+    /// either way, saved in the state directory.
     pub async fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
         let entries = self.all_entries();
@@ -369,7 +398,7 @@ impl Manager {
                     .into_iter()
                     .map(|e| {
                         let this = self.clone();
-                        tokio::spawn(async move { this.destroy_entry(e).await })
+                        tokio::spawn(async move { this.destroy_entry(e, true).await })
                     })
                     .collect();
                 for task in tasks {
@@ -427,6 +456,7 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
             .collect(),
         hostname: Some(s.hostname.clone().unwrap_or_else(|| format!("bh-{}", r.id))),
         network: plan::network_view(s),
+        template: r.template.clone(),
         limits: r.limits.clone(),
         vmm_pid,
         failure: r.failure.clone(),

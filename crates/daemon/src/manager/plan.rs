@@ -262,13 +262,28 @@ pub fn plan(
     let mut spec = spec_of(request);
     (spec.network, spec.extra_hosts) = network_of(request)?;
     admit(config, &spec, request.ttl_s)?;
+    let recipe = recipe_of(config, &spec, facts, id)?;
+    Ok((spec, recipe))
+}
+
+/// Sandbox `id`'s recipe for an admitted (or recorded) `spec` on this daemon's host, with the
+/// host's memory checked; [`plan`] uses it, and so does a resume, for the spec in the record.
+///
+/// # Errors
+/// As [`plan`], but for the daemon's own limits.
+pub fn recipe_of(
+    config: &Config,
+    spec: &SandboxSpec,
+    facts: HostFacts,
+    id: &str,
+) -> Result<Recipe, ManagerError> {
     // The VMs' runtime directories are `<runtime root>/<id>/sb-*`.
     let mut host = host_settings(config, facts);
     host.runtime_dir = host.runtime_dir.join(id);
-    host.secrets = secret_values(config, &spec)?;
-    let recipe = spec::build(&spec, &host, id).map_err(spec_error)?;
-    check_memory_available(&spec, &recipe, facts, config)?;
-    Ok((spec, recipe))
+    host.secrets = secret_values(config, spec)?;
+    let recipe = spec::build(spec, &host, id).map_err(spec_error)?;
+    check_memory_available(spec, &recipe, facts, config)?;
+    Ok(recipe)
 }
 
 /// The egress proxy's settings of a recorded sandbox's `spec` (its secrets read again from the

@@ -1,14 +1,16 @@
 //! Start-up recovery: every sandbox recorded by an earlier run is adopted (its VMM still runs
 //! and the policy is `adopt`), kept as `failed` (its VMM died meanwhile; the logs stay until it
-//! is deleted) or destroyed (half-created, or the policy is `destroy`). Then runtime directories
-//! and cgroups that no record names (left by a daemon killed before it wrote one) are removed
-//! with whatever still runs in them.
+//! is deleted), kept as `paused` (its saved VM is in the state directory; whatever the policy,
+//! since nothing of it runs) or destroyed (half-created, or the policy is `destroy`). Then
+//! runtime directories and cgroups that no record names (left by a daemon killed before it wrote
+//! one), and saved VMs that no paused sandbox owns, are removed with whatever still runs there.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bulkhead_client::SandboxState;
+use bulkhead_sandbox::snapshot::Manifest;
 use bulkhead_sandbox::Sandbox;
 
 use super::images::remove_scratch;
@@ -47,6 +49,12 @@ impl Manager {
             .filter_map(|record| self.recover_one(record))
             .collect();
         self.sweep_strays(&known);
+        let paused: HashSet<&str> = recovered
+            .iter()
+            .filter(|(r, _)| r.phase == Phase::Paused)
+            .map(|(r, _)| r.id.as_str())
+            .collect();
+        self.sweep_saved_vms(&paused);
         recovered
     }
 
@@ -64,6 +72,10 @@ impl Manager {
                 if let Some(state) = &record.sandbox {
                     remove_scratch(&state.runtime_dir);
                 }
+                Some((record, None))
+            }
+            Phase::Paused => {
+                self.recover_paused(&mut record);
                 Some((record, None))
             }
             Phase::Running => {
@@ -111,6 +123,42 @@ impl Manager {
         match result {
             Ok(()) => tracing::info!(id = %record.id, "restarted the sandbox's egress proxy"),
             Err(e) => tracing::error!(id = %record.id, "the adopted sandbox has no network: {e}"),
+        }
+    }
+
+    /// A paused sandbox stays paused when its saved VM is readable, else it becomes failed
+    /// (reason `snapshot_missing`). Nothing of it may run: a VMM that a daemon killed in the
+    /// midst of a resume left behind is killed, its cgroup and runtime directory removed.
+    fn recover_paused(&self, record: &mut Record) {
+        cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());
+        let dir = self.inner.store.paused_dir(&record.id);
+        match Manifest::read(&dir) {
+            Ok(_) => tracing::info!(id = %record.id, "the sandbox stays paused"),
+            Err(e) => {
+                tracing::error!(id = %record.id, "the paused sandbox's saved VM is unusable: {e}");
+                record.phase = Phase::Failed;
+                record.failure = Some(failure(
+                    "snapshot_missing",
+                    format!("the saved VM of the paused sandbox is missing or unreadable: {e}"),
+                    None,
+                ));
+                log_err(self.inner.store.save(record));
+            }
+        }
+    }
+
+    /// Removes saved VMs in `<state_dir>/paused/` that no paused sandbox owns (a daemon killed
+    /// while pausing, or between a resume and the removal of what it restored from).
+    fn sweep_saved_vms(&self, paused: &HashSet<&str>) {
+        let store = &self.inner.store;
+        for id in store.paused_ids() {
+            if crate::util::is_id(&id) && !paused.contains(id.as_str()) {
+                tracing::warn!(
+                    "removing the stray saved VM {}",
+                    store.paused_dir(&id).display()
+                );
+                log_err(store.remove_paused(&id));
+            }
         }
     }
 
@@ -177,11 +225,11 @@ impl Manager {
     /// Puts a recovered sandbox in the registry and watches it.
     fn install(&self, record: Record, sandbox: Option<Sandbox>) {
         let pidfd = sandbox.as_ref().and_then(|s| s.vmm_pidfd().ok());
-        let state = match pidfd {
-            Some(_) => SandboxState::Running,
-            None => SandboxState::Failed,
+        let state = match (&pidfd, record.phase) {
+            (Some(_), _) => SandboxState::Running,
+            (None, Phase::Paused) => SandboxState::Paused,
+            (None, _) => SandboxState::Failed,
         };
-        let expires = record.expires_at_ms;
         let entry = Arc::new(Entry {
             id: record.id.clone(),
             lifecycle: tokio::sync::Mutex::new(()),
@@ -193,7 +241,10 @@ impl Manager {
             }),
         });
         self.entries().insert(entry.id.clone(), entry.clone());
-        self.watch(entry, pidfd, expires);
+        self.watch_ttl(&entry);
+        if let Some(pidfd) = pidfd {
+            self.watch_vmm(entry, pidfd);
+        }
     }
 }
 
