@@ -40,12 +40,19 @@ impl DaemonOpts {
 pub struct CreateArgs {
     #[command(flatten)]
     daemon: DaemonOpts,
-    /// Number of vCPUs.
-    #[arg(long, default_value_t = 1)]
-    vcpus: u8,
-    /// Guest memory, MiB.
-    #[arg(long, value_name = "MIB", default_value_t = 256)]
-    memory: u32,
+    /// Number of vCPUs [default: 1; with --template: the template's, which any other value
+    /// must equal].
+    #[arg(long)]
+    vcpus: Option<u8>,
+    /// Guest memory, MiB [default: 256; with --template: the template's, which any other value
+    /// must equal].
+    #[arg(long, value_name = "MIB")]
+    memory: Option<u32>,
+    /// Restore the sandbox from template NAME of the daemon's state directory
+    /// (`<state_dir>/templates/NAME`) instead of booting it: it continues where the template's
+    /// preparation left it.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["kernel", "image", "disk_mib", "workspace", "mounts"])]
+    template: Option<String>,
     /// Host CPU quota as a fraction of one CPU (e.g. 0.5).
     #[arg(long, value_name = "FRACTION", value_parser = crate::run::parse_cpu_quota)]
     cpu_quota: Option<f64>,
@@ -173,6 +180,26 @@ pub struct RmArgs {
     ids: Vec<String>,
 }
 
+/// `bulkhead pause`: save sandboxes' VMs in the daemon's state directory and stop them.
+#[derive(Debug, clap::Args)]
+pub struct PauseArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// Sandbox IDs, or prefixes of them that no other sandbox's ID starts with.
+    #[arg(required = true, value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    ids: Vec<String>,
+}
+
+/// `bulkhead resume`: restore paused sandboxes.
+#[derive(Debug, clap::Args)]
+pub struct ResumeArgs {
+    #[command(flatten)]
+    daemon: DaemonOpts,
+    /// Sandbox IDs, or prefixes of them that no other sandbox's ID starts with.
+    #[arg(required = true, value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    ids: Vec<String>,
+}
+
 /// `bulkhead logs`: the VMM's output and serial console of a sandbox.
 #[derive(Debug, clap::Args)]
 pub struct LogsArgs {
@@ -221,8 +248,11 @@ pub(crate) fn block_on(future: impl std::future::Future<Output = Result<u8, Stri
 /// The create request of `bulkhead create`'s arguments (host paths made absolute).
 fn create_spec(args: &CreateArgs) -> Result<CreateSandbox, String> {
     Ok(CreateSandbox {
-        vcpus: args.vcpus,
-        memory_mib: args.memory,
+        // The defaults ask for the template's sizes when there is one.
+        vcpus: args.vcpus.unwrap_or(bulkhead_client::types::DEFAULT_VCPUS),
+        memory_mib: args
+            .memory
+            .unwrap_or(bulkhead_client::types::DEFAULT_MEMORY_MIB),
         cpu_quota: args.cpu_quota,
         pids_max: args.pids_max,
         kernel: args.kernel.clone(),
@@ -241,6 +271,7 @@ fn create_spec(args: &CreateArgs) -> Result<CreateSandbox, String> {
         workdir: args.workdir.clone(),
         user: args.user.clone(),
         network: network_request(&args.network)?,
+        template: args.template.clone(),
     })
 }
 
@@ -505,6 +536,45 @@ pub fn rm(args: RmArgs) -> ExitCode {
     })
 }
 
+/// `bulkhead pause`: pauses each sandbox in turn; one that cannot be paused is an error (exit
+/// status 125) that does not stop the others, as with `bulkhead rm`.
+pub fn pause(args: PauseArgs) -> ExitCode {
+    let client = args.daemon.client();
+    block_on(each(args.ids, move |id| {
+        let client = client.clone();
+        async move { client.pause(&id).await.map(|_| ()) }
+    }))
+}
+
+/// `bulkhead resume`: resumes each sandbox in turn, as `bulkhead pause` pauses them.
+pub fn resume(args: ResumeArgs) -> ExitCode {
+    let client = args.daemon.client();
+    block_on(each(args.ids, move |id| {
+        let client = client.clone();
+        async move { client.resume(&id).await.map(|_| ()) }
+    }))
+}
+
+/// Runs `act` on every ID in turn, reporting each failure on stderr; 125 when any failed.
+async fn each<F, Fut>(ids: Vec<String>, act: F) -> Result<u8, String>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = Result<(), bulkhead_client::Error>>,
+{
+    let mut failed = false;
+    for id in ids {
+        if let Err(e) = act(id.clone()).await {
+            eprintln!("bulkhead: error: {id}: {e}");
+            failed = true;
+        }
+    }
+    Ok(if failed {
+        crate::EXIT_BULKHEAD_ERROR
+    } else {
+        0
+    })
+}
+
 /// `bulkhead logs`.
 pub fn logs(args: LogsArgs) -> ExitCode {
     block_on(async move {
@@ -593,6 +663,23 @@ mod tests {
         assert_eq!(image_only.unwrap().disk_mib, None);
         let err = disk_only.expect_err("--disk without --image must fail");
         assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
+
+    #[test]
+    fn create_from_a_template_sends_its_name_and_default_sizes_and_refuses_an_image() {
+        // Arrange / Act
+        let spec = parse_create(&["--template", "py"]).map(|a| create_spec(&a).unwrap());
+        let sized = parse_create(&["--template", "py", "--memory", "512"])
+            .map(|a| create_spec(&a).unwrap());
+        let with_image = parse_create(&["--template", "py", "--image", "debian"]);
+
+        // Assert
+        let spec = spec.unwrap();
+        assert_eq!(spec.template.as_deref(), Some("py"));
+        assert_eq!((spec.vcpus, spec.memory_mib), (1, 256), "the template's");
+        assert_eq!(sized.unwrap().memory_mib, 512);
+        let err = with_image.expect_err("--template with --image must fail");
+        assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
     }
 
     #[test]

@@ -8,11 +8,13 @@ mod bench;
 mod cli_docs_tests;
 mod daemon_cmds;
 mod image_cmds;
+mod machine;
 mod network;
 mod run;
 mod run_export;
 mod rundir;
 mod signals;
+mod template;
 mod workspace_cmds;
 
 use std::process::ExitCode;
@@ -27,6 +29,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size of its largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Boot a microVM, run one command in it, stream its output, destroy the VM.
@@ -47,6 +51,10 @@ enum Command {
     Cp(daemon_cmds::CpArgs),
     /// Destroy daemon sandboxes.
     Rm(daemon_cmds::RmArgs),
+    /// Pause daemon sandboxes: save their VMs in the daemon's state directory and stop them.
+    Pause(daemon_cmds::PauseArgs),
+    /// Resume paused daemon sandboxes where they were.
+    Resume(daemon_cmds::ResumeArgs),
     /// Show a daemon sandbox's VMM output and serial console.
     #[command(allow_negative_numbers = true)]
     Logs(daemon_cmds::LogsArgs),
@@ -57,6 +65,9 @@ enum Command {
     Export(workspace_cmds::ExportArgs),
     /// Build, list and delete root filesystem images (`bulkhead run --image NAME`).
     Image(image_cmds::ImageArgs),
+    /// Create, list and delete sandbox templates: snapshots of a booted, prepared sandbox that
+    /// `bulkhead run --template NAME` restores instead of booting.
+    Template(template::TemplateArgs),
     /// The sandboxes' network: the presets of `--allow @NAME` (docs/network.md).
     Network(NetworkCmd),
 }
@@ -87,7 +98,7 @@ impl Command {
                 | Command::Diff(_)
                 | Command::Image(_)
                 | Command::Network(_)
-        )
+        ) || matches!(self, Command::Template(t) if t.dies_of_sigpipe())
     }
 }
 
@@ -165,10 +176,13 @@ fn main() -> ExitCode {
         Command::Exec(args) => daemon_cmds::exec(args),
         Command::Cp(args) => daemon_cmds::cp(args),
         Command::Rm(args) => daemon_cmds::rm(args),
+        Command::Pause(args) => daemon_cmds::pause(args),
+        Command::Resume(args) => daemon_cmds::resume(args),
         Command::Logs(args) => daemon_cmds::logs(args),
         Command::Diff(args) => workspace_cmds::diff(args),
         Command::Export(args) => workspace_cmds::export(args),
         Command::Image(args) => image_cmds::image(args),
+        Command::Template(args) => template::template(args),
         Command::Network(NetworkCmd {
             verb: NetworkVerb::Presets,
         }) => network::print_presets(),

@@ -4,7 +4,8 @@
 use std::ffi::OsString;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use bulkhead_protocol::client::{ExecEvent, ExecWriter, DEFAULT_TIMEOUT};
 use bulkhead_protocol::{ExecRequest, ExitStatus};
@@ -18,13 +19,14 @@ use bulkhead_vmm::config::{DiskConfig, SerialOutput};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 
+use crate::machine::MachineArgs;
 use crate::network::{self, NetworkArgs};
 use crate::{run_export, rundir};
 use closed_stdio::Output;
 use output::{forward_stdin, write_out};
 
 pub(crate) mod closed_stdio;
-mod limits;
+pub(crate) mod limits;
 pub(crate) mod output;
 pub(crate) mod watchdog;
 
@@ -39,23 +41,46 @@ pub const EXIT_TIMEOUT: u8 = 124;
 /// KVM_CAP_MAX_VCPUS, known only once /dev/kvm is open, is the VMM's check).
 pub const MAX_VCPUS: u8 = bulkhead_vmm::config::MAX_VCPUS;
 
+/// The flags of `bulkhead run` that a restore from a template cannot honour yet
+/// (`--template` conflicts with each).
+const TEMPLATE_CONFLICTS: [&str; 19] = [
+    "kernel",
+    "initrd",
+    "kernel_args",
+    "image",
+    "scratch_mib",
+    "disk_files",
+    "mounts",
+    "workspace",
+    "export_patch",
+    "export_tar",
+    "network",
+    "allow",
+    "deny",
+    "allow_cidr",
+    "secret",
+    "policy",
+    "add_host",
+    "secret_files",
+    "egress_log",
+];
+
 /// Arguments of `bulkhead run`.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// Number of vCPUs (1 to the VMM's limit).
-    #[arg(long, default_value_t = 1, value_parser = parse_vcpus)]
-    vcpus: u8,
-    /// Guest memory, MiB (within the VMM's limits).
-    #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = parse_memory)]
-    memory: u32,
-    /// Guest kernel [default: $BULKHEAD_KERNEL or <data dir>/kernel/<arch>/vmlinux, Image on
-    /// aarch64].
-    #[arg(long, value_name = "PATH")]
-    kernel: Option<PathBuf>,
-    /// Initramfs with the bulkhead agent as /init [default: $BULKHEAD_INITRD or
-    /// <data dir>/images/default/initramfs.cpio.lz4].
-    #[arg(long, value_name = "PATH")]
-    initrd: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) machine: MachineArgs,
+    /// Restore a clone of template NAME (`bulkhead template create`) instead of booting: the
+    /// guest continues where the template's preparation left it. Its memory and vCPUs are the
+    /// template's; what a restore cannot give yet (shares, disks, images, a network, another
+    /// kernel) is refused.
+    #[arg(
+        long,
+        value_name = "NAME",
+        value_parser = crate::template::parse_name,
+        conflicts_with_all = TEMPLATE_CONFLICTS
+    )]
+    pub(crate) template: Option<String>,
     /// Environment variable for the command (repeatable).
     #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = parse_env)]
     env: Vec<String>,
@@ -86,18 +111,15 @@ pub struct RunArgs {
     /// has `quiet`, so a good boot writes little or nothing; add `--kernel-arg loglevel=7` for
     /// the whole boot log.
     #[arg(long, value_name = "FILE")]
-    console: Option<PathBuf>,
+    pub(crate) console: Option<PathBuf>,
     /// Extra guest kernel command-line parameter, appended to the defaults (repeatable), e.g.
     /// `--kernel-arg loglevel=7` with --console to see the whole boot.
     #[arg(long = "kernel-arg", value_name = "ARG", value_parser = parse_kernel_arg)]
     kernel_args: Vec<String>,
-    /// Seconds to wait for the guest agent to come up.
-    #[arg(long, value_name = "SECS", default_value = "60", value_parser = parse_positive_seconds)]
-    boot_timeout: Duration,
     /// Print the cold-start phases (ms since the VMM process started) to stderr when the run
     /// ends, one line each.
     #[arg(long)]
-    timings: bool,
+    pub(crate) timings: bool,
     /// Root filesystem image: a name from `bulkhead image ls` or the path of an ext4 file.
     /// Shared read-only; the sandbox writes to a private layer that vanishes with it.
     #[arg(long, value_name = "NAME|PATH")]
@@ -164,7 +186,7 @@ pub(crate) fn parse_kernel_arg(s: &str) -> Result<String, String> {
 }
 
 /// `--vcpus`: 1..=[`MAX_VCPUS`] ([`spec::check_vcpus`]).
-fn parse_vcpus(s: &str) -> Result<u8, String> {
+pub(crate) fn parse_vcpus(s: &str) -> Result<u8, String> {
     let range = format!("between 1 and {MAX_VCPUS} (the VMM's limit)");
     let n = match s.parse::<u64>() {
         Ok(n) => u8::try_from(n).unwrap_or(0),
@@ -175,7 +197,7 @@ fn parse_vcpus(s: &str) -> Result<u8, String> {
 }
 
 /// `--memory`: MiB within the VMM's limits ([`spec::check_memory_mib`]).
-fn parse_memory(s: &str) -> Result<u32, String> {
+pub(crate) fn parse_memory(s: &str) -> Result<u32, String> {
     let n = match s.parse::<u64>() {
         Ok(n) => u32::try_from(n).unwrap_or(u32::MAX),
         Err(_) => {
@@ -241,6 +263,9 @@ pub(crate) fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
 /// # Errors
 /// A message for everything that is bulkhead's failure rather than the command's.
 pub fn run(args: RunArgs) -> Result<u8, String> {
+    if let Some(name) = &args.template {
+        return crate::template::restore::run(&args, name);
+    }
     let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
     // Bad images, disks, shares and boot files are the user's to fix on any host: `build`
     // reports them before anything host-specific.
@@ -272,12 +297,8 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     // With a network, the proxy's variables and the secrets' placeholders exist only now.
     let defaults = recipe.exec.clone().with_network(sandbox.egress_env());
     let request = exec_request(&args, &defaults);
-    let patience = agent_patience(args.boot_timeout);
-    let outcome = run_command(&sandbox, &request, &router, patience);
-    let outcome = match (outcome, router.command_ended()) {
-        (Err(_), Some(sig)) => Ok(Outcome::GaveUpAfterSignal(sig)),
-        (outcome, _) => outcome.map_err(|e| explain_vm_end(&mut sandbox, e)),
-    };
+    let patience = agent_patience(args.machine.boot_timeout);
+    let outcome = execute(&mut sandbox, &request, &router, patience, &OnceLock::new());
     let exported = match (&outcome, &export_to) {
         (Ok(Outcome::Exited(_)), Some(target)) => run_export::export(&sandbox, target),
         _ => Ok(()),
@@ -291,6 +312,24 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
         Err(e) => eprintln!("bulkhead: warning: {e}"),
     }
     Ok(outcome_code(&status))
+}
+
+/// Runs `request` in `sandbox` as `bulkhead run` runs its command ([`run_command`]), then ends
+/// the routing of signals: the command's outcome, [`Outcome::GaveUpAfterSignal`] when the run
+/// gave up on the guest after a forwarded signal, or the error with how the VM ended. The
+/// arrival of the first output (or exit status) is recorded in `first_output`.
+pub(crate) fn execute(
+    sandbox: &mut Sandbox,
+    request: &ExecRequest,
+    router: &SignalRouter,
+    patience: Duration,
+    first_output: &OnceLock<Instant>,
+) -> Result<Outcome, String> {
+    let outcome = run_command(sandbox, request, router, patience, first_output);
+    match (outcome, router.command_ended()) {
+        (Err(_), Some(sig)) => Ok(Outcome::GaveUpAfterSignal(sig)),
+        (outcome, _) => outcome.map_err(|e| explain_vm_end(sandbox, e)),
+    }
 }
 
 /// Adds to a failed run's message how the VM ended, when it ended by itself (waiting up to
@@ -339,7 +378,7 @@ pub(crate) fn require_bootable_kvm(shares: &[PathBuf]) -> Result<(), String> {
 /// Like [`require_bootable_kvm`] for `bulkhead run`: the suggested command repeats `words` (the
 /// user's own arguments after `bulkhead`) and also shares the directories it reads and writes
 /// ([`extra_shares`]) and passes on the secrets taken from the environment ([`secrets_from_env`]).
-fn require_bootable_kvm_for(words: &[String], args: &RunArgs) -> Result<(), String> {
+pub(crate) fn require_bootable_kvm_for(words: &[String], args: &RunArgs) -> Result<(), String> {
     require_kvm_or_hint(|| {
         let pass = secrets_from_env(args);
         testhost_hint(&quoted_words(words), &extra_shares(args), &pass)
@@ -380,7 +419,7 @@ fn require_kvm_or_hint(hint: impl FnOnce() -> String) -> Result<(), String> {
 }
 
 /// This process's arguments after the program name, as typed (non-UTF-8 bytes replaced).
-fn user_words() -> Vec<String> {
+pub(crate) fn user_words() -> Vec<String> {
     std::env::args_os()
         .skip(1)
         .map(|w: OsString| w.to_string_lossy().into_owned())
@@ -402,7 +441,11 @@ fn extra_shares(args: &RunArgs) -> Vec<PathBuf> {
         .as_deref()
         .filter(|i| i.contains('/'))
         .map(Path::new);
-    let read = [args.kernel.as_deref(), args.initrd.as_deref(), image_path];
+    let read = [
+        args.machine.kernel.as_deref(),
+        args.machine.initrd.as_deref(),
+        image_path,
+    ];
     let read = read.into_iter().flatten();
     let read = read.chain(args.disk_files.iter().map(|d| d.path.as_path()));
     let secret_files = args
@@ -462,7 +505,7 @@ fn shell_quote(word: &str) -> String {
 ///
 /// # Errors
 /// A malformed network flag or policy file.
-fn sandbox_spec(args: &RunArgs) -> Result<SandboxSpec, String> {
+pub(crate) fn sandbox_spec(args: &RunArgs) -> Result<SandboxSpec, String> {
     let (network, extra_hosts) = args.network.spec()?;
     let env = args
         .env
@@ -471,9 +514,6 @@ fn sandbox_spec(args: &RunArgs) -> Result<SandboxSpec, String> {
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
     Ok(SandboxSpec {
-        vcpus: args.vcpus,
-        memory_mib: args.memory,
-        kernel: args.kernel.clone().map(FileRef::Path),
         image: args.image.as_deref().map(image_ref),
         disk_mib: args.scratch_mib,
         disk_files: args.disk_files.clone(),
@@ -491,6 +531,8 @@ fn sandbox_spec(args: &RunArgs) -> Result<SandboxSpec, String> {
         kernel_args: args.kernel_args.clone(),
         network,
         extra_hosts,
+        // vCPUs, memory and kernel: as every sandbox booted with these flags.
+        ..args.machine.spec()
     })
 }
 
@@ -508,14 +550,10 @@ pub(crate) fn image_ref(value: &str) -> FileRef {
 ///
 /// # Errors
 /// A secret without a value.
-fn host_settings(args: &RunArgs, spec: &SandboxSpec) -> Result<HostSettings, String> {
-    let mut host = HostSettings::local();
+pub(crate) fn host_settings(args: &RunArgs, spec: &SandboxSpec) -> Result<HostSettings, String> {
+    let mut host = args.machine.host();
     host.secrets = network::secret_values(spec.network.as_ref(), &args.secret_files)?;
     host.egress_log.clone_from(&args.egress_log);
-    host.ready_timeout = args.boot_timeout;
-    if let Some(initrd) = &args.initrd {
-        host.initrd = initrd.clone();
-    }
     if let Some(console) = &args.console {
         host.console = SerialOutput::File(console.clone());
     }
@@ -586,7 +624,7 @@ fn testhost_hint_with(
 
 /// The command's request: the sandbox's command defaults ([`ExecDefaults::request`]) with our
 /// stdin forwarded, `--timeout`, and the end of `docker run`.
-fn exec_request(args: &RunArgs, defaults: &ExecDefaults) -> ExecRequest {
+pub(crate) fn exec_request(args: &RunArgs, defaults: &ExecDefaults) -> ExecRequest {
     let mut request = defaults.request(args.command.clone(), &Default::default(), None, None);
     request.stdin = true;
     request.timeout_ms = args
@@ -604,13 +642,13 @@ fn exec_request(args: &RunArgs, defaults: &ExecDefaults) -> ExecRequest {
 /// on the command line), and never less than the client's default [`DEFAULT_TIMEOUT`] (10 s).
 /// A guest that has just announced itself on a loaded or nested host can need far longer than
 /// 10 s to answer, and `--boot-timeout` is how long the user agreed to wait for the guest.
-fn agent_patience(boot_timeout: Duration) -> Duration {
+pub(crate) fn agent_patience(boot_timeout: Duration) -> Duration {
     boot_timeout.max(DEFAULT_TIMEOUT)
 }
 
 /// How the command's run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Outcome {
+pub(crate) enum Outcome {
     /// The agent reported the command's end.
     Exited(ExitStatus),
     /// The host-side watchdog gave up on the guest (see [`watchdog`]).
@@ -619,7 +657,8 @@ enum Outcome {
     GaveUpAfterSignal(i32),
 }
 
-/// Runs `request` in `sandbox` with our stdin forwarded and its output streamed; connecting
+/// Runs `request` in `sandbox` with our stdin forwarded (when it asks for stdin) and its
+/// output streamed; connecting
 /// and each blocking read or write of the request may take up to `patience`. With a timeout in
 /// `request`, the host-side [`watchdog`] bounds the wait for the command's end.
 fn run_command(
@@ -627,6 +666,7 @@ fn run_command(
     request: &ExecRequest,
     router: &SignalRouter,
     patience: Duration,
+    first_output: &OnceLock<Instant>,
 ) -> Result<Outcome, String> {
     let session = sandbox
         .client()
@@ -637,7 +677,9 @@ fn run_command(
     let watchdog = watched_timeout(request).map(|t| arm_watchdog(t, &writer, sandbox));
     router.command_started(writer.clone());
     let signaller = writer.clone();
-    forward_stdin(writer);
+    if request.stdin {
+        forward_stdin(writer);
+    }
     let mut stdout = Output::stdout();
     let mut stderr = Output::stderr();
     let mut lost: Option<io::Error> = None;
@@ -649,6 +691,7 @@ fn run_command(
         }
         let event = event.map_err(|e| e.to_string())?;
         sandbox.mark_first_output();
+        first_output.get_or_init(Instant::now);
         match event {
             Some(ExecEvent::Stdout(bytes)) => {
                 let gone = write_out(&mut stdout, &bytes, &mut lost);
@@ -699,7 +742,7 @@ fn arm_watchdog(timeout: Duration, writer: &ExecWriter, sandbox: &Sandbox) -> wa
 
 /// The process exit status for how the run ended: the command's status, [`EXIT_TIMEOUT`] (124)
 /// when the watchdog gave up on the guest, 128+N when the run gave up after signal N.
-fn outcome_code(outcome: &Outcome) -> u8 {
+pub(crate) fn outcome_code(outcome: &Outcome) -> u8 {
     match outcome {
         Outcome::Exited(status) => exit_code(status),
         Outcome::Abandoned => EXIT_TIMEOUT,
@@ -721,7 +764,7 @@ fn exit_code(status: &ExitStatus) -> u8 {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 #[cfg(test)]
 mod sameness_tests;

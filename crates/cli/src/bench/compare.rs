@@ -21,29 +21,13 @@ pub struct Ratio {
 }
 
 /// Every compared quantity of `a` and `b`: the phases (ms since VMM start; `vmm_start`, zero by
-/// definition, is left out), the steps, the end-to-end time and the memory overhead.
+/// definition, is left out), the steps, create → agent ready, the end-to-end time and the
+/// memory overhead. A result of restores from a template has no phases or steps (`-`), so a
+/// cold start and a restore compare by the last three.
 pub fn ratios(a: &BenchReport, b: &BenchReport) -> Vec<Ratio> {
-    let memory = |r: &BenchReport| Series {
-        label: "VMM RSS overhead (KiB)".into(),
-        values: r.overhead_kib(),
-    };
-    let mut phases_a = a.phase_series();
-    let mut phases_b = b.phase_series();
-    // The end-to-end series closes both lists; keep it once, after the steps.
-    phases_a.pop();
-    phases_b.pop();
-    let list_a = phases_a
+    compared(a)
         .into_iter()
-        .skip(1)
-        .chain(a.step_series())
-        .chain([memory(a)]);
-    let list_b = phases_b
-        .into_iter()
-        .skip(1)
-        .chain(b.step_series())
-        .chain([memory(b)]);
-    list_a
-        .zip(list_b)
+        .zip(compared(b))
         .map(|(sa, sb)| {
             let a_p50 = summarize(&sa.values).map(|s| s.p50);
             let b_p50 = summarize(&sb.values).map(|s| s.p50);
@@ -59,6 +43,22 @@ pub fn ratios(a: &BenchReport, b: &BenchReport) -> Vec<Ratio> {
             }
         })
         .collect()
+}
+
+/// The series of `r` that [`ratios`] compares, in order.
+fn compared(r: &BenchReport) -> Vec<Series> {
+    let mut phases = r.phase_series();
+    // The end-to-end series closes both lists; keep it once, at the end.
+    phases.pop();
+    let mut steps = r.step_series();
+    steps.pop();
+    let memory = Series {
+        label: "VMM RSS overhead (KiB)".into(),
+        values: r.overhead_kib(),
+    };
+    let mut all: Vec<Series> = phases.into_iter().skip(1).chain(steps).collect();
+    all.extend([r.ready_series(), r.end_to_end(), memory]);
+    all
 }
 
 /// The comparison as a table; `a_name` and `b_name` head the columns.
@@ -116,6 +116,34 @@ mod tests {
         let memory = ratios.last().unwrap();
         assert_eq!(memory.ratio, Some(1.0));
         assert!(!ratios.iter().any(|r| r.label == "vmm_start"));
+        let ready = ratios
+            .iter()
+            .find(|r| r.label == "create → agent ready")
+            .unwrap();
+        assert_eq!(ready.ratio, Some(2.0));
+    }
+
+    #[test]
+    fn cold_starts_and_restores_compare_by_ready_end_to_end_and_memory() {
+        // Arrange: B restored from a template: no phases, half the end-to-end time.
+        let a = report(vec![run(0, 10.0)]);
+        let mut restored = run(0, 5.0);
+        restored.phases_ms = Default::default();
+        restored.create_to_vmm_start_ms = None;
+        let mut b = report(vec![restored]);
+        b.config.template = Some("py".into());
+
+        // Act
+        let ratios = ratios(&a, &b);
+        let text = render("cold.json", "tpl.json", &ratios);
+
+        // Assert
+        let ratio_of = |label: &str| ratios.iter().find(|r| r.label == label).unwrap().ratio;
+        assert_eq!(ratio_of("end to end: create → first_output"), Some(0.5));
+        assert_eq!(ratio_of("create → agent ready"), Some(0.5));
+        assert_eq!(ratio_of("guest_init"), None);
+        let guest_init = text.lines().find(|l| l.starts_with("guest_init")).unwrap();
+        assert!(guest_init.ends_with('-'), "{text}");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! `bulkhead_sandbox::phases`), reported as a percentile table, JSON ([`report`]) and an SVG
 //! plot ([`plot`]); `--compare A.json B.json` sets two results side by side ([`compare`]).
 //!
-//! Every run boots a fresh sandbox, runs the command, waits for its first output (or exit
+//! Every run boots a fresh sandbox (with `--template NAME`: restores a clone of the template
+//! instead, which has no boot phases), runs the command, waits for its first output (or exit
 //! status) and its exit, samples the VMM's memory ([`rss`]) and destroys the sandbox.
 //! Failures are counted and listed, never fatal: `bench` exits 0 when at least one run
 //! succeeded, 1 when none did, and 125 when it could not run at all (bad arguments, a host
@@ -21,11 +22,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bulkhead_sandbox::spec::new_id;
+use bulkhead_sandbox::spec::{new_id, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
 use bulkhead_sandbox::{HostSettings, SandboxSpec, PHASE_NAMES};
 use bulkhead_vmm::config::SerialOutput;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::template::restore::{restore_recipe, sizes};
+use crate::template::store::TemplateStore;
 use report::{BenchConfig, BenchReport, HostInfo, RunRecord, SCHEMA};
 use runner::{ColdStart, Mode, Plan};
 
@@ -50,12 +53,21 @@ pub struct BenchArgs {
     /// Root filesystem image: a name from `bulkhead image ls` or the path of an ext4 file.
     #[arg(long, value_name = "NAME|PATH")]
     image: Option<String>,
-    /// vCPUs per sandbox.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
-    vcpus: u8,
-    /// Guest memory per sandbox, MiB.
-    #[arg(long, value_name = "MIB", default_value_t = 256)]
-    memory: u32,
+    /// Restore each sandbox from template NAME (`bulkhead template create`) instead of booting
+    /// it; the JSON has the same fields, so `--compare` sets a template against cold starts.
+    #[arg(
+        long,
+        value_name = "NAME",
+        value_parser = crate::template::parse_name,
+        conflicts_with_all = ["image", "kernel_args"]
+    )]
+    template: Option<String>,
+    /// vCPUs per sandbox [default: 1; with --template: the template's].
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..))]
+    vcpus: Option<u8>,
+    /// Guest memory per sandbox, MiB [default: 256; with --template: the template's].
+    #[arg(long, value_name = "MIB")]
+    memory: Option<u32>,
     /// Seconds each sandbox may take to boot, and to send each next output or exit of the
     /// command.
     #[arg(long, value_name = "SECS", default_value_t = 120.0)]
@@ -81,7 +93,7 @@ pub struct BenchArgs {
         long,
         num_args = 2,
         value_names = ["A.json", "B.json"],
-        conflicts_with_all = ["runs", "concurrency", "mode", "image", "vcpus", "memory", "boot_timeout", "console", "kernel_args", "json", "plot", "command"]
+        conflicts_with_all = ["runs", "concurrency", "mode", "image", "template", "vcpus", "memory", "boot_timeout", "console", "kernel_args", "json", "plot", "command"]
     )]
     compare: Option<Vec<PathBuf>>,
     /// The command each sandbox runs [default: true].
@@ -105,10 +117,12 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         let [a, b] = files.as_slice() else {
             return Err("--compare takes two files".into());
         };
-        let ratios = compare::ratios(&BenchReport::load(a)?, &BenchReport::load(b)?);
+        let (report_a, report_b) = (BenchReport::load(a)?, BenchReport::load(b)?);
+        let ratios = compare::ratios(&report_a, &report_b);
+        let name = |path: &PathBuf, r: &BenchReport| format!("{} ({})", path.display(), r.kind());
         print!(
             "{}",
-            compare::render(&a.display().to_string(), &b.display().to_string(), &ratios)
+            compare::render(&name(a, &report_a), &name(b, &report_b), &ratios)
         );
         return Ok(ExitCode::SUCCESS);
     }
@@ -118,8 +132,8 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         args.command.clone()
     };
     let spec = SandboxSpec {
-        vcpus: args.vcpus,
-        memory_mib: args.memory,
+        vcpus: args.vcpus.unwrap_or(DEFAULT_VCPUS),
+        memory_mib: args.memory.unwrap_or(DEFAULT_MEMORY_MIB),
         image: args.image.as_deref().map(crate::run::image_ref),
         kernel_args: args.kernel_args.clone(),
         ..SandboxSpec::default()
@@ -132,7 +146,23 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
     }
     let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
     // One recipe for every run (they share its hostname, `bh-<id>`).
-    let recipe = bulkhead_sandbox::build(&spec, &host, &id).map_err(|e| e.to_string())?;
+    let (recipe, template) = match &args.template {
+        Some(name) => {
+            let template = TemplateStore::local().open(name)?;
+            let (vcpus, memory_mib) = sizes(args.vcpus, args.memory, &template.manifest)?;
+            let spec = SandboxSpec {
+                vcpus,
+                memory_mib,
+                ..spec
+            };
+            let recipe = restore_recipe(&spec, &host, &template, &id)?;
+            (recipe, Some(template))
+        }
+        None => {
+            let recipe = bulkhead_sandbox::build(&spec, &host, &id).map_err(|e| e.to_string())?;
+            (recipe, None)
+        }
+    };
     let (mut config, storage) = (recipe.config, recipe.storage);
     for path in args.json.iter().chain(&args.plot) {
         check_writable(path)?;
@@ -154,8 +184,13 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         config: &config,
         storage: &storage,
         request: &request,
+        restore_from: template.as_ref().map(|t| t.dir.as_path()),
     };
-    let progress = progress_bar(plan.runs as u64);
+    let what = match template {
+        Some(_) => "restores",
+        None => "cold starts",
+    };
+    let progress = progress_bar(plan.runs as u64, what);
     let runs = runner::schedule(&plan, |i| cold_start.run(i), |r| tick(&progress, r));
     progress.finish_and_clear();
     let report = BenchReport {
@@ -169,8 +204,9 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
             concurrency: plan.concurrency,
             mode: plan.mode.to_string(),
             image: args.image.clone(),
-            vcpus: args.vcpus,
-            memory_mib: args.memory,
+            template: args.template.clone(),
+            vcpus: config.vcpus,
+            memory_mib: config.memory_mib,
             console: args.console,
             kernel: config.kernel.clone(),
             initrd: config.initrd.clone(),
@@ -184,12 +220,17 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
     let json_saved = args.json.as_ref().map(|path| report.save(path));
     let plot_saved = args.plot.as_ref().map(|path| {
         let title = format!(
-            "bulkhead bench: {} runs of `{}` ({}), ms",
+            "bulkhead bench: {} {} running `{}` ({}), ms",
             report.runs.len(),
+            report.kind(),
             report.config.command.join(" "),
             report.config.mode
         );
-        plot::write_svg(path, &title, &report.step_series())
+        let series = match report.config.template {
+            Some(_) => report.restore_series(),
+            None => report.step_series(),
+        };
+        plot::write_svg(path, &title, &series)
     });
     json_saved.transpose()?;
     plot_saved.transpose()?;
@@ -201,12 +242,14 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
 }
 
 /// A progress bar on a terminal; hidden otherwise (logs and pipes get only the report).
-fn progress_bar(len: u64) -> ProgressBar {
+fn progress_bar(len: u64, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::new(len);
-    if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} cold starts {msg}") {
+    if let Ok(style) =
+        ProgressStyle::with_template(&format!("{{bar:40}} {{pos}}/{{len}} {what} {{msg}}"))
+    {
         bar.set_style(style);
     }
     bar
@@ -337,5 +380,32 @@ mod tests {
         let err = with_runs.unwrap_err().to_string();
         assert!(err.contains("--runs"), "{err}");
         assert_eq!(alone.unwrap().bench.compare.unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_template_bench_refuses_what_a_restore_cannot_change_and_compare() {
+        // Arrange / Act
+        let with_image = Cli::try_parse_from(["bench", "--template", "py", "--image", "debian"]);
+        let with_arg = Cli::try_parse_from(["bench", "--template", "py", "--kernel-arg", "quiet"]);
+        let compare =
+            Cli::try_parse_from(["bench", "--compare", "a.json", "b.json", "--template", "py"]);
+        let sized = Cli::try_parse_from([
+            "bench",
+            "--template",
+            "py",
+            "--runs",
+            "20",
+            "--memory",
+            "512",
+        ]);
+
+        // Assert
+        for refused in [with_image, with_arg, compare] {
+            let err = refused.unwrap_err().to_string();
+            assert!(err.contains("cannot be used with"), "{err}");
+        }
+        let sized = sized.unwrap().bench;
+        assert_eq!(sized.template.as_deref(), Some("py"));
+        assert_eq!((sized.memory, sized.vcpus), (Some(512), None));
     }
 }

@@ -9,11 +9,12 @@
 //!   "created_unix_s": 1764500000,            // when the bench ran (host wall clock)
 //!   "host": {"kernel_release": "6.1.0-...", "cpus": 2},
 //!   "config": {"runs": 20, "concurrency": 1, "mode": "sequential", "image": null,
-//!              "vcpus": 1, "memory_mib": 256, "command": ["true"]},
+//!              "template": null, "vcpus": 1, "memory_mib": 256, "command": ["true"]},
 //!   "phases": ["vmm_start", "vm_created", ..., "vm_destroyed"],   // timeline order
 //!   "runs": [{
 //!     "index": 0, "ok": true, "error": null, "exit_code": 0,
 //!     "create_to_vmm_start_ms": 3.1,      // Sandbox::start began → VMM process start
+//!     "create_to_ready_ms": 880.4,        // Sandbox::start (or restore) began → agent ready
 //!     "create_to_first_output_ms": 905.2, // end to end: create → first output (or exit)
 //!     "phases_ms": {"vmm_start": 0.0, "vm_created": 4.2, ..., "vm_destroyed": 960.0},
 //!     "memory": {"vmm_rss_kib": 30000, "guest_rss_kib": 27000, "overhead_kib": 3000}
@@ -22,7 +23,10 @@
 //! ```
 //!
 //! `phases_ms` values are ms since the run's VMM process started (host monotonic clock; see
-//! `bulkhead_sandbox::phases`); a phase not reached is `null`. A failed run (`ok: false`) has
+//! `bulkhead_sandbox::phases`); a phase not reached is `null`. A run restored from a template
+//! (`config.template`) has no boot phases: its `phases_ms` and `create_to_vmm_start_ms` are
+//! `null`, and `create_to_ready_ms` (the restore, up to the agent's answer) and
+//! `create_to_first_output_ms` are what it measures, the same fields as a cold start's. A failed run (`ok: false`) has
 //! its reason in `error` and whatever phases it reached. `memory` is sampled after the
 //! command's exit status arrived, before the VM is destroyed (see `rss`); `null` when it could
 //! not be read. Readers must ignore unknown fields; a new field keeps the schema name, a
@@ -76,6 +80,10 @@ pub struct BenchConfig {
     pub mode: String,
     /// `--image`, if any.
     pub image: Option<String>,
+    /// `--template`: the template every run was restored from instead of booting (absent in
+    /// files written before templates existed: none).
+    #[serde(default)]
+    pub template: Option<String>,
     /// vCPUs per sandbox.
     pub vcpus: u8,
     /// Guest RAM per sandbox, MiB.
@@ -110,9 +118,13 @@ pub struct RunRecord {
     /// The command's exit code, when it exited.
     #[serde(default)]
     pub exit_code: Option<i32>,
-    /// `Sandbox::start` began → the VMM process started, ms.
+    /// `Sandbox::start` began → the VMM process started, ms (`None` for a restore).
     #[serde(default)]
     pub create_to_vmm_start_ms: Option<f64>,
+    /// `Sandbox::start` (or `Sandbox::restore`) began → the agent was ready, ms (absent in files
+    /// written before it was recorded).
+    #[serde(default)]
+    pub create_to_ready_ms: Option<f64>,
     /// `Sandbox::start` began → first output or exit status of the command, ms.
     #[serde(default)]
     pub create_to_first_output_ms: Option<f64>,
@@ -217,6 +229,14 @@ impl BenchReport {
         self.runs.iter().filter(|r| r.ok)
     }
 
+    /// What the runs were: `cold starts`, or `restores of template NAME`.
+    pub fn kind(&self) -> String {
+        match &self.config.template {
+            Some(name) => format!("restores of template {name}"),
+            None => "cold starts".to_owned(),
+        }
+    }
+
     /// Failed runs.
     pub fn failures(&self) -> impl Iterator<Item = &RunRecord> {
         self.runs.iter().filter(|r| !r.ok)
@@ -265,7 +285,25 @@ impl BenchReport {
         series
     }
 
-    fn end_to_end(&self) -> Series {
+    /// Create (or restore) → agent ready of the successful runs.
+    pub fn ready_series(&self) -> Series {
+        Series {
+            label: "create → agent ready".to_owned(),
+            values: self
+                .ok_runs()
+                .filter_map(|r| r.create_to_ready_ms)
+                .collect(),
+        }
+    }
+
+    /// The series that a result of restores has values for (restores have no phases): create →
+    /// agent ready, then the end-to-end time.
+    pub fn restore_series(&self) -> Vec<Series> {
+        vec![self.ready_series(), self.end_to_end()]
+    }
+
+    /// Create → first output of the successful runs.
+    pub fn end_to_end(&self) -> Series {
         Series {
             label: "end to end: create → first_output".to_owned(),
             values: self
@@ -328,6 +366,7 @@ impl BenchReport {
         for run in &self.runs {
             let times = run.phases_ms.named().into_iter().chain([
                 ("create_to_vmm_start_ms", run.create_to_vmm_start_ms),
+                ("create_to_ready_ms", run.create_to_ready_ms),
                 ("create_to_first_output_ms", run.create_to_first_output_ms),
             ]);
             for (name, ms) in times {
@@ -353,6 +392,7 @@ pub(crate) mod tests {
             error: None,
             exit_code: Some(0),
             create_to_vmm_start_ms: Some(scale),
+            create_to_ready_ms: Some(6.0 * scale),
             create_to_first_output_ms: Some(7.0 * scale),
             phases_ms: PhasesMs {
                 vmm_start: at(0.0),
@@ -387,6 +427,7 @@ pub(crate) mod tests {
                 concurrency: 1,
                 mode: "sequential".into(),
                 image: None,
+                template: None,
                 vcpus: 1,
                 memory_mib: 128,
                 console: false,
@@ -426,17 +467,19 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_file_from_before_kernel_and_kernel_args_were_recorded_still_loads() {
-        // Arrange: today's JSON without the newer config keys
+    fn a_file_from_before_kernel_args_templates_and_ready_times_were_recorded_still_loads() {
+        // Arrange: today's JSON without the newer keys
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("older.json");
         report(vec![run(0, 1.0)]).save(&path).unwrap();
         let mut json: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         let config = json["config"].as_object_mut().unwrap();
-        for key in ["kernel", "initrd", "kernel_args"] {
+        for key in ["kernel", "initrd", "kernel_args", "template"] {
             config.remove(key);
         }
+        let first_run = json["runs"][0].as_object_mut().unwrap();
+        first_run.remove("create_to_ready_ms");
         std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
 
         // Act
@@ -445,6 +488,51 @@ pub(crate) mod tests {
         // Assert
         assert!(back.config.kernel_args.is_empty());
         assert_eq!(back.config.kernel, PathBuf::new());
+        assert_eq!(back.config.template, None);
+        assert_eq!(back.runs[0].create_to_ready_ms, None);
+    }
+
+    #[test]
+    fn a_result_of_restores_has_the_same_fields_as_one_of_cold_starts() {
+        // Arrange: a restore has no phases and no VMM start time
+        let cold = report(vec![run(0, 1.0)]);
+        let mut restored_run = run(0, 1.0);
+        restored_run.phases_ms = PhasesMs::default();
+        restored_run.create_to_vmm_start_ms = None;
+        let mut restored = report(vec![restored_run]);
+        restored.config.template = Some("py".into());
+        let keys = |r: &BenchReport| {
+            let json = serde_json::to_value(r).unwrap();
+            let mut keys: Vec<String> = ["config", "runs"]
+                .iter()
+                .flat_map(|k| {
+                    let obj = match *k {
+                        "runs" => json[k][0].clone(),
+                        _ => json[k].clone(),
+                    };
+                    let names: Vec<String> = obj.as_object().unwrap().keys().cloned().collect();
+                    names.into_iter().map(move |n| format!("{k}.{n}"))
+                })
+                .collect();
+            keys.extend(
+                json["runs"][0]["phases_ms"]
+                    .as_object()
+                    .unwrap()
+                    .keys()
+                    .cloned(),
+            );
+            keys
+        };
+
+        // Act
+        let (cold_keys, restored_keys) = (keys(&cold), keys(&restored));
+
+        // Assert
+        assert_eq!(cold_keys, restored_keys);
+        assert!(cold_keys.contains(&"config.template".to_owned()));
+        assert!(cold_keys.contains(&"runs.create_to_ready_ms".to_owned()));
+        assert_eq!(cold.kind(), "cold starts");
+        assert_eq!(restored.kind(), "restores of template py");
     }
 
     #[test]

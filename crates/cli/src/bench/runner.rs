@@ -1,15 +1,17 @@
 //! Running the cold starts: when each one starts ([`Mode`], [`schedule`]) and what one is
-//! ([`ColdStart`]).
+//! ([`ColdStart`]: a boot, or a restore from a template).
 
 use std::fmt;
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Barrier, Condvar, Mutex};
+use std::sync::{Barrier, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bulkhead_protocol::client::ExecEvent;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage, Timings};
+use bulkhead_vmm::snapshot::MEMORY_FILE;
 
 use super::report::{MemorySample, PhasesMs, RunRecord};
 use super::rss;
@@ -140,8 +142,9 @@ pub fn schedule<T: Send>(
         .collect()
 }
 
-/// One cold start: boot a sandbox, run the command, wait for its first output (or exit
-/// status) and its exit, sample the VMM's memory, destroy the sandbox.
+/// One cold start: boot a sandbox (or restore one from a template), run the command, wait for
+/// its first output (or exit status) and its exit, sample the VMM's memory, destroy the
+/// sandbox.
 #[derive(Debug)]
 pub struct ColdStart<'a> {
     /// The sandbox to boot.
@@ -150,6 +153,8 @@ pub struct ColdStart<'a> {
     pub storage: &'a Storage,
     /// The command.
     pub request: &'a ExecRequest,
+    /// The template's snapshot directory to restore from instead of booting.
+    pub restore_from: Option<&'a Path>,
 }
 
 impl ColdStart<'_> {
@@ -161,12 +166,18 @@ impl ColdStart<'_> {
             error: None,
             exit_code: None,
             create_to_vmm_start_ms: None,
+            create_to_ready_ms: None,
             create_to_first_output_ms: None,
             phases_ms: PhasesMs::default(),
             memory: None,
             vmm_log_tail: Vec::new(),
         };
-        let sandbox = match Sandbox::start_with(self.config, self.storage) {
+        let created = Instant::now();
+        let started = match self.restore_from {
+            Some(dir) => Sandbox::restore(self.config, dir),
+            None => Sandbox::start_with(self.config, self.storage),
+        };
+        let sandbox = match started {
             Ok(sandbox) => sandbox,
             Err(e) => {
                 let message = e.to_string();
@@ -175,8 +186,14 @@ impl ColdStart<'_> {
                 return record;
             }
         };
-        let exited = run_command(&sandbox, self.request, self.config.ready_timeout);
-        let memory = sample_memory(&sandbox);
+        let first_output = OnceLock::new();
+        let exited = run_command(
+            &sandbox,
+            self.request,
+            self.config.ready_timeout,
+            &first_output,
+        );
+        let memory = self.sample_memory(&sandbox);
         // Before destroying (the log goes with the runtime directory), and only when the command
         // did not succeed: a good run's teardown, measured as `vm_destroyed`, reads nothing.
         let log_tail = match exited {
@@ -185,7 +202,13 @@ impl ColdStart<'_> {
         };
         let destroyed = sandbox.destroy_timed();
         if let Ok(timings) = &destroyed {
-            fill_timings(&mut record, timings);
+            match self.restore_from {
+                Some(_) => {
+                    let e2e = first_output.get().map(|at| at.duration_since(created));
+                    fill_restore_timings(&mut record, timings, e2e);
+                }
+                None => fill_timings(&mut record, timings),
+            }
         }
         record.memory = memory.as_ref().ok().copied();
         record.exit_code = exited.as_ref().ok().copied();
@@ -194,6 +217,8 @@ impl ColdStart<'_> {
             (Ok(code), _, _) if code != 0 => Some(format!("the command exited {code}")),
             (_, Err(e), _) => Some(format!("destroying the sandbox: {e}")),
             (_, _, Err(e)) => Some(format!("memory sample: {e}")),
+            // A restore has no phases to check.
+            _ if self.restore_from.is_some() => None,
             _ => record.phases_ms.check_complete_and_monotonic().err(),
         };
         record.ok = record.error.is_none();
@@ -201,6 +226,19 @@ impl ColdStart<'_> {
             record.vmm_log_tail = last_lines(log_tail.lines(), LOG_TAIL_LINES);
         }
         record
+    }
+
+    /// The VMM's memory: guest RAM found by the ranges the VMM reports, or for a restore by
+    /// the snapshot's memory file it maps.
+    fn sample_memory(&self, sandbox: &Sandbox) -> Result<MemorySample, String> {
+        let Some(pid) = sandbox.vm_pid() else {
+            return Err("the VMM has exited".into());
+        };
+        match (self.restore_from, sandbox.runtime_path()) {
+            (Some(dir), _) => rss::sample_restored(pid, &dir.join(MEMORY_FILE)),
+            (None, Some(runtime)) => rss::sample(pid, runtime),
+            (None, None) => Err("the VMM has exited".into()),
+        }
     }
 }
 
@@ -224,6 +262,7 @@ fn run_command(
     sandbox: &Sandbox,
     request: &ExecRequest,
     patience: Duration,
+    first_output: &OnceLock<Instant>,
 ) -> Result<i32, String> {
     let (_writer, mut reader) = sandbox
         .client()
@@ -239,6 +278,8 @@ fn run_command(
     loop {
         let event = reader.next_event().map_err(|e| format!("exec: {e}"))?;
         sandbox.mark_first_output();
+        // A restored sandbox has no phase clock: its first output is timed here.
+        first_output.get_or_init(Instant::now);
         match event {
             Some(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)) => {}
             Some(ExecEvent::Exit(status)) => {
@@ -253,16 +294,21 @@ fn run_command(
     }
 }
 
-fn sample_memory(sandbox: &Sandbox) -> Result<MemorySample, String> {
-    match (sandbox.vm_pid(), sandbox.runtime_path()) {
-        (Some(pid), Some(dir)) => rss::sample(pid, dir),
-        _ => Err("the VMM has exited".into()),
-    }
+/// Milliseconds of `d`.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The times of a restored run: create (the restore began) → agent ready, and →
+/// `first_output`; a restore has no boot phases, so nothing else.
+fn fill_restore_timings(record: &mut RunRecord, timings: &Timings, first_output: Option<Duration>) {
+    record.create_to_ready_ms = Some(ms(timings.ready));
+    record.create_to_first_output_ms = first_output.map(ms);
 }
 
 fn fill_timings(record: &mut RunRecord, timings: &Timings) {
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     record.create_to_vmm_start_ms = timings.vmm_start.map(ms);
+    record.create_to_ready_ms = Some(ms(timings.ready));
     record.create_to_first_output_ms = timings.create_to_first_output().map(ms);
     if let Some(phases) = timings.phases {
         let [a, b, c, d, e, f, g, h] = phases.named().map(|(_, at)| at.map(ms));
@@ -359,6 +405,59 @@ mod tests {
         let (_, peak) = in_flight_peak(plan, 4);
 
         assert_eq!(peak, 4);
+    }
+
+    fn empty_record() -> RunRecord {
+        RunRecord {
+            index: 0,
+            ok: false,
+            error: None,
+            exit_code: None,
+            create_to_vmm_start_ms: None,
+            create_to_ready_ms: None,
+            create_to_first_output_ms: None,
+            phases_ms: PhasesMs::default(),
+            memory: None,
+            vmm_log_tail: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_restore_records_ready_and_first_output_times_without_phases() {
+        // Arrange: a restore's timings, which have no phases
+        let timings = Timings {
+            spawn: Duration::from_millis(2),
+            ready: Duration::from_millis(30),
+            vmm_start: None,
+            phases: None,
+        };
+        let mut record = empty_record();
+
+        // Act
+        fill_restore_timings(&mut record, &timings, Some(Duration::from_millis(45)));
+
+        // Assert
+        assert_eq!(record.create_to_ready_ms, Some(30.0));
+        assert_eq!(record.create_to_first_output_ms, Some(45.0));
+        assert_eq!(record.create_to_vmm_start_ms, None);
+        assert_eq!(record.phases_ms, PhasesMs::default());
+        assert_eq!(record.error, None, "no phases is no failure for a restore");
+    }
+
+    #[test]
+    fn a_cold_start_without_the_vmms_report_is_a_failure_with_its_ready_time() {
+        let timings = Timings {
+            spawn: Duration::from_millis(2),
+            ready: Duration::from_millis(900),
+            vmm_start: None,
+            phases: None,
+        };
+        let mut record = empty_record();
+
+        fill_timings(&mut record, &timings);
+
+        assert_eq!(record.create_to_ready_ms, Some(900.0));
+        assert!(record.error.unwrap().contains("unreadable"));
     }
 
     #[test]

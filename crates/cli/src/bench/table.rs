@@ -15,8 +15,9 @@ pub fn render(report: &BenchReport) -> String {
     let ok = report.ok_runs().count();
     let failed = report.runs.len() - ok;
     let mut out = format!(
-        "bulkhead bench: {} runs of `{}` ({}, concurrency {}), {} vCPU, {} MiB{}: {ok} ok, {failed} failed\n",
+        "bulkhead bench: {} {} running `{}` ({}, concurrency {}), {} vCPU, {} MiB{}: {ok} ok, {failed} failed\n",
         report.runs.len(),
+        report.kind(),
         c.command.join(" "),
         c.mode,
         c.concurrency,
@@ -28,9 +29,17 @@ pub fn render(report: &BenchReport) -> String {
     if ok == 0 {
         out.push_str("no run succeeded, so the tables are empty (they count ok runs only; the JSON keeps every run's phases)\n\n");
     }
-    out.push_str(&table("phase (ms since VMM start)", &report.phase_series()));
-    out.push('\n');
-    out.push_str(&table("step (ms)", &report.step_series()));
+    match &c.template {
+        Some(_) => {
+            out.push_str("(restored from a snapshot: no boot phases)\n");
+            out.push_str(&table("restore (ms)", &report.restore_series()));
+        }
+        None => {
+            out.push_str(&table("phase (ms since VMM start)", &report.phase_series()));
+            out.push('\n');
+            out.push_str(&table("step (ms)", &report.step_series()));
+        }
+    }
     out.push('\n');
     let overhead = Series {
         label: "VMM RSS overhead (KiB)".into(),
@@ -139,6 +148,32 @@ mod tests {
         assert!(text.contains("no run succeeded"), "{text}");
         let row = text.lines().find(|l| l.starts_with("agent_ready")).unwrap();
         assert!(row.ends_with('-'), "{text}");
+    }
+
+    #[test]
+    fn a_report_of_restores_shows_ready_and_end_to_end_times_instead_of_phases() {
+        // Arrange: restores have no phases, only host-side times.
+        let mut restored = run(0, 10.0);
+        restored.phases_ms = Default::default();
+        restored.create_to_vmm_start_ms = None;
+        let mut r = report(vec![restored]);
+        r.config.template = Some("py".into());
+
+        // Act
+        let text = render(&r);
+
+        // Assert
+        assert!(
+            text.contains("1 restores of template py running `true`"),
+            "{text}"
+        );
+        assert!(!text.contains("kernel_entry"), "{text}");
+        let row = |label: &str| {
+            let line = text.lines().find(|l| l.starts_with(label)).unwrap();
+            line.split_whitespace().rev().nth(4).unwrap().to_owned()
+        };
+        assert_eq!(row("create → agent ready"), "60.0", "{text}");
+        assert_eq!(row("end to end: create → first_output"), "70.0", "{text}");
     }
 
     #[test]

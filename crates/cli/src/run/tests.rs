@@ -204,7 +204,7 @@ fn the_testhost_hint_passes_overrides_on_with_their_dirs_and_secrets_by_name() {
 }
 
 /// `bulkhead run` parsed from `words` (after `run`).
-pub(super) fn run_args(words: &[&str]) -> RunArgs {
+pub(crate) fn run_args(words: &[&str]) -> RunArgs {
     #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]

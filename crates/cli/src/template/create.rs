@@ -1,0 +1,124 @@
+//! `bulkhead template create NAME [-- CMD ARGS...]`: boot a sandbox exactly as `bulkhead run`
+//! boots one with the same flags, run the preparation command in it (output streamed, no stdin),
+//! and snapshot it into the template store once the command has exited 0.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Instant, SystemTime};
+
+use bulkhead_image::manifest::rfc3339_utc;
+use bulkhead_protocol::ExecRequest;
+use bulkhead_sandbox::spec::new_id;
+use bulkhead_sandbox::{Recipe, Sandbox};
+
+use super::store::{format_size, size_on_disk, TemplateManifest, TemplateStore};
+use crate::machine::MachineArgs;
+use crate::run;
+use crate::rundir;
+use crate::signals::SignalRouter;
+
+/// Arguments of `bulkhead template create`.
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    /// The template's name: 1 to 64 of a-z, 0-9, `.`, `_`, `-`, starting with a letter or digit.
+    #[arg(value_parser = super::parse_name)]
+    name: String,
+    #[command(flatten)]
+    machine: MachineArgs,
+    /// The preparation command and its arguments, run before the snapshot; it must exit 0.
+    #[arg(last = true, value_name = "CMD")]
+    prepare: Vec<String>,
+}
+
+/// Creates the template; returns the exit status: 0, or the preparation command's non-zero
+/// status (nothing is saved then).
+///
+/// # Errors
+/// Bad input (an existing name, missing boot files), a failed boot or snapshot;
+/// nothing is left in the store then.
+pub fn create(store: &TemplateStore, args: &CreateArgs) -> Result<u8, String> {
+    let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
+    // Checked again when the create begins and, atomically, when the template gets its name.
+    store.check_free(&args.name)?;
+    let recipe = args.machine.recipe(&id)?;
+    run::require_bootable_kvm(&args.machine.file_dirs())?;
+    let started = Instant::now();
+    let partial = store.begin(&args.name)?;
+    let run_dir = rundir::create(&recipe.config.runtime_dir)?;
+    let mut config = recipe.config.clone();
+    config.runtime_dir = run_dir.path().to_owned();
+    let router = SignalRouter::install(run_dir.path().to_owned())?;
+    let mut sandbox = match Sandbox::start_with(&config, &recipe.storage) {
+        Ok(sandbox) => sandbox,
+        Err(e) => {
+            router.boot_failed();
+            return Err(e.to_string());
+        }
+    };
+    if !args.prepare.is_empty() {
+        let request = prepare_request(&recipe, &args.prepare);
+        let patience = run::agent_patience(args.machine.boot_timeout);
+        let outcome = run::execute(&mut sandbox, &request, &router, patience, &OnceLock::new());
+        let code = outcome.map(|o| run::outcome_code(&o));
+        if code != Ok(0) {
+            let _ = sandbox.destroy();
+            return abort(code, &args.name);
+        }
+    }
+    sandbox
+        .snapshot_into(partial.path(), &config)
+        .map_err(|e| format!("cannot snapshot the sandbox: {e}"))?;
+    manifest(args, &recipe).write(partial.path())?;
+    let dir = partial.commit()?;
+    eprintln!(
+        "bulkhead: template {} created in {:.1} s: {} MiB, {} vCPU, {} on disk",
+        args.name,
+        started.elapsed().as_secs_f64(),
+        config.memory_mib,
+        config.vcpus,
+        format_size(size_on_disk(&dir))
+    );
+    Ok(0)
+}
+
+/// The preparation command's request: as `bulkhead run` would send it, but without stdin, and
+/// with `docker exec`'s end: processes it leaves running (their output redirected away) are
+/// kept in the template.
+fn prepare_request(recipe: &Recipe, command: &[String]) -> ExecRequest {
+    let mut request = recipe
+        .exec
+        .request(command.to_vec(), &Default::default(), None, None);
+    request.stdin = false;
+    request.kill_group_on_exit = false;
+    request
+}
+
+/// The end of a create whose preparation command failed: its non-zero status (a message on
+/// stderr), or the run's error.
+fn abort(code: Result<u8, String>, name: &str) -> Result<u8, String> {
+    let code = code?;
+    eprintln!(
+        "bulkhead: the preparation command exited with status {code}; template {name} was not \
+         created"
+    );
+    Ok(code)
+}
+
+/// The manifest of the template `args` create.
+fn manifest(args: &CreateArgs, recipe: &Recipe) -> TemplateManifest {
+    TemplateManifest {
+        name: args.name.clone(),
+        kernel: absolute(&recipe.config.kernel),
+        initrd: absolute(&recipe.config.initrd),
+        memory_mib: recipe.config.memory_mib,
+        vcpus: recipe.config.vcpus,
+        created: rfc3339_utc(SystemTime::now()),
+        bulkhead_version: env!("CARGO_PKG_VERSION").to_owned(),
+        prepare: args.prepare.clone(),
+    }
+}
+
+/// `path` made absolute against the working directory (as it was when it was booted).
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
+}
