@@ -1,26 +1,20 @@
 //! Seeds of `snapshot_state`: the state of a VM with an active virtio-blk disk and one with a
 //! device the driver never set up, as a body behind a valid header and as a whole file.
 
-use std::sync::{Arc, Mutex};
-
 use bulkhead_vmm::arch::arch_memory_regions;
 use bulkhead_vmm::arch::x86_64::persist::VmState;
 use bulkhead_vmm::config::{VmConfig, VsockConfig};
 use bulkhead_vmm::devices::bus::BusDevice;
 use bulkhead_vmm::devices::legacy::i8042::{DataTarget, I8042State};
 use bulkhead_vmm::devices::legacy::serial::SerialDeviceState;
-use bulkhead_vmm::devices::virtio::block::{Block, BlockConfig};
 use bulkhead_vmm::devices::virtio::mmio::persist::MmioTransportState;
 use bulkhead_vmm::devices::virtio::mmio::MmioTransport;
-use bulkhead_vmm::devices::virtio::IrqTrigger;
 use bulkhead_vmm::snapshot::memory::RegionState;
 use bulkhead_vmm::snapshot::{format, LegacyState, VmSnapshot};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
-use vmm_sys_util::eventfd::EventFd;
 
 use super::Seed;
-use crate::targets::blk::{disk_pattern, MemImage};
-use crate::targets::mmio::{self, DISK_SECTORS, QUEUE_SIZE};
+use crate::targets::mmio::QUEUE_SIZE;
+use crate::targets::snapshot::BlockTransport;
 
 /// Seeds of `snapshot_state`.
 pub fn seeds() -> Vec<Seed> {
@@ -79,24 +73,11 @@ fn vm_snapshot() -> VmSnapshot {
 
 /// A virtio-blk transport's state, brought up by a driver when `active`.
 fn block_state(active: bool) -> MmioTransportState {
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), mmio::MEM_SIZE as usize)])
-        .expect("guest memory");
-    let rings = mmio::prepared_rings(&mem, false);
-    let image = MemImage::new(&disk_pattern(DISK_SECTORS));
-    let config = BlockConfig {
-        path: image.path.clone(),
-        read_only: false,
-        id: None,
-    };
-    let dev = Arc::new(Mutex::new(Block::new(config).expect("block device")));
-    let irq = Arc::new(IrqTrigger::new(
-        EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-    ));
-    let mut transport = MmioTransport::new(mem, dev, irq).expect("transport");
+    let mut blk = BlockTransport::new();
     if active {
-        bring_up(&mut transport, rings[0]);
+        bring_up(&mut blk.transport, blk.rings);
     }
-    transport.save().expect("save the transport")
+    blk.transport.save().expect("save the transport")
 }
 
 /// The driver's side of virtio 1.2 §3.1.1 on queue 0 with the rings at `(desc, avail, used)`.

@@ -55,24 +55,65 @@ pub fn run(data: &[u8]) {
 
 /// Restores `state` into a fresh virtio-blk transport and runs its event loop.
 fn restore_block(state: &MmioTransportState) {
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)])
-        .expect("guest memory");
-    prepared_rings(&mem, false);
-    let image = MemImage::new(&disk_pattern(DISK_SECTORS));
-    let config = BlockConfig {
-        path: image.path.clone(),
-        read_only: false,
-        id: None,
-    };
-    let dev = Arc::new(Mutex::new(Block::new(config).expect("block device")));
-    let mut em = EventManager::new().expect("event manager");
-    em.add_subscriber(dev.clone());
-    let irq = Arc::new(IrqTrigger::new(
-        EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-    ));
-    let mut transport = MmioTransport::new(mem, dev, irq).expect("transport");
-    let _ = transport.restore(state);
-    settle(&mut em);
+    let mut blk = BlockTransport::new();
+    let _ = blk.transport.restore(state);
+    settle(&mut blk.event_loop);
+}
+
+/// A virtio-blk device on a memfd image behind a fresh transport, on guest memory holding the
+/// rings [`prepared_rings`] lays out (their addresses in `rings`), with its event loop.
+pub struct BlockTransport {
+    /// The transport.
+    pub transport: MmioTransport,
+    /// The device's event loop.
+    pub event_loop: EventManager<Arc<Mutex<Block>>>,
+    /// (descriptor table, avail ring, used ring) GPAs of the prepared queue.
+    pub rings: (u64, u64, u64),
+    /// The disk image (kept alive with the device).
+    _image: MemImage,
+}
+
+impl BlockTransport {
+    /// A new one.
+    pub fn new() -> BlockTransport {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)])
+            .expect("guest memory");
+        let rings = prepared_rings(&mem, false)[0];
+        let image = MemImage::new(&disk_pattern(DISK_SECTORS));
+        let config = BlockConfig {
+            path: image.path.clone(),
+            read_only: false,
+            id: None,
+        };
+        let dev = Arc::new(Mutex::new(Block::new(config).expect("block device")));
+        let mut event_loop = EventManager::new().expect("event manager");
+        event_loop.add_subscriber(dev.clone());
+        let irq = Arc::new(IrqTrigger::new(
+            EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+        ));
+        let transport = MmioTransport::new(mem, dev, irq).expect("transport");
+        BlockTransport {
+            transport,
+            event_loop,
+            rings,
+            _image: image,
+        }
+    }
+}
+
+impl std::fmt::Debug for BlockTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockTransport")
+            .field("transport", &self.transport)
+            .field("rings", &self.rings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for BlockTransport {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 #[cfg(test)]
@@ -89,22 +130,12 @@ mod tests {
             .2;
         let file = format::frame(&seed[1..]).unwrap();
         let snapshot: VmSnapshot = format::decode(&file).unwrap();
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE as usize)]).unwrap();
-        prepared_rings(&mem, false);
-        let image = MemImage::new(&disk_pattern(DISK_SECTORS));
-        let config = BlockConfig {
-            path: image.path.clone(),
-            read_only: false,
-            id: None,
-        };
-        let dev = Arc::new(Mutex::new(Block::new(config).unwrap()));
-        let irq = Arc::new(IrqTrigger::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
-        let mut transport = MmioTransport::new(mem, dev, irq).unwrap();
+        let mut blk = BlockTransport::new();
 
         // Act
-        transport.restore(&snapshot.devices[0]).unwrap();
+        blk.transport.restore(&snapshot.devices[0]).unwrap();
 
         // Assert: the fuzzer starts from a device the restore brought back up.
-        assert!(transport.is_activated());
+        assert!(blk.transport.is_activated());
     }
 }
