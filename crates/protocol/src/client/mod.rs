@@ -337,7 +337,7 @@ fn agent_reason(stream: &mut UnixStream) -> Option<ClientError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::os::unix::net::UnixListener;
     use std::thread;
 
@@ -345,8 +345,9 @@ mod tests {
     use crate::messages::Ack;
     use crate::ErrorCode;
 
-    /// A fake agent on a Unix socket that answers one request with `frames`, then closes.
-    fn fake_agent(
+    /// A fake agent on a Unix socket that answers one request with `frames`, then closes;
+    /// its thread returns the request. Shared by the client modules' tests.
+    pub(crate) fn fake_agent(
         frames: Vec<Frame>,
     ) -> (tempfile::TempDir, AgentClient, thread::JoinHandle<Frame>) {
         let dir = tempfile::tempdir().unwrap();

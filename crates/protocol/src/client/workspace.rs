@@ -102,30 +102,10 @@ impl AgentClient {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::net::UnixListener;
-    use std::thread;
-
     use super::*;
+    use crate::client::tests::fake_agent;
     use crate::workspace::{ChangeStatus, EntryKind};
     use crate::PROTOCOL_VERSION;
-
-    /// A fake agent on a Unix socket that answers one request with `frames`.
-    fn fake_agent(
-        frames: Vec<Frame>,
-    ) -> (tempfile::TempDir, AgentClient, thread::JoinHandle<Frame>) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agent.sock");
-        let listener = UnixListener::bind(&path).unwrap();
-        let server = thread::spawn(move || {
-            let (mut conn, _) = listener.accept().unwrap();
-            let request = read_frame(&mut conn).unwrap().unwrap();
-            for frame in &frames {
-                write_frame(&mut conn, frame).unwrap();
-            }
-            request
-        });
-        (dir, AgentClient::unix(path), server)
-    }
 
     fn record(path: &str, data: bool) -> ChangeRecord {
         ChangeRecord {
