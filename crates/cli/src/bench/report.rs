@@ -140,6 +140,24 @@ pub struct RunRecord {
     pub vmm_log_tail: Vec<String>,
 }
 
+impl RunRecord {
+    /// Run number `index` before anything was measured: not ok, nothing recorded.
+    pub fn unmeasured(index: usize) -> RunRecord {
+        RunRecord {
+            index,
+            ok: false,
+            error: None,
+            exit_code: None,
+            create_to_vmm_start_ms: None,
+            create_to_ready_ms: None,
+            create_to_first_output_ms: None,
+            phases_ms: PhasesMs::default(),
+            memory: None,
+            vmm_log_tail: Vec::new(),
+        }
+    }
+}
+
 /// Each phase of one run, ms since its VMM process started; `None` (JSON `null`) when not
 /// reached. Field names are [`PHASE_NAMES`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

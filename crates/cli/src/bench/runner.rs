@@ -160,18 +160,7 @@ pub struct ColdStart<'a> {
 impl ColdStart<'_> {
     /// Runs cold start number `index`. Never fails: a failure is a record with `ok: false`.
     pub fn run(&self, index: usize) -> RunRecord {
-        let mut record = RunRecord {
-            index,
-            ok: false,
-            error: None,
-            exit_code: None,
-            create_to_vmm_start_ms: None,
-            create_to_ready_ms: None,
-            create_to_first_output_ms: None,
-            phases_ms: PhasesMs::default(),
-            memory: None,
-            vmm_log_tail: Vec::new(),
-        };
+        let mut record = RunRecord::unmeasured(index);
         let created = Instant::now();
         let started = match self.restore_from {
             Some(dir) => Sandbox::restore(self.config, dir),
@@ -408,18 +397,7 @@ mod tests {
     }
 
     fn empty_record() -> RunRecord {
-        RunRecord {
-            index: 0,
-            ok: false,
-            error: None,
-            exit_code: None,
-            create_to_vmm_start_ms: None,
-            create_to_ready_ms: None,
-            create_to_first_output_ms: None,
-            phases_ms: PhasesMs::default(),
-            memory: None,
-            vmm_log_tail: Vec::new(),
-        }
+        RunRecord::unmeasured(0)
     }
 
     #[test]
