@@ -13,3 +13,4 @@ mod run;
 mod run_export;
 mod sandbox_api;
 mod snapshot;
+mod template;

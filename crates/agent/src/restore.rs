@@ -31,6 +31,11 @@
 //! 4. [`Action::SetHostname`], when the request names one: `sethostname(2)`, after the same check
 //!    as the boot parameter `bulkhead.hostname=` ([`check_hostname`]). Boot sets the hostname
 //!    only in the kernel (the agent writes no `/etc/hostname`), so that is all there is to update.
+//! 5. [`Action::Workspace`] and [`Action::Mount`], for the shares the host attached to the
+//!    snapshot's idle virtio-fs devices (`share_params`, the boot-parameter codec's
+//!    `bulkhead.workspace=` and `bulkhead.mount=` words): the clone workspace's overlay, then
+//!    each share, exactly as a boot with those parameters builds them ([`crate::workspace`],
+//!    [`crate::mounts`]).
 //!
 //! The answer is `Ack` once every step succeeded; otherwise an `Error` frame naming the failed
 //! step. Steps before it stay done (each is harmless alone) and later ones are skipped.
@@ -49,14 +54,14 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use bulkhead_protocol::boot::{check_hostname, MAX_HOSTNAME};
+use bulkhead_protocol::boot::{check_hostname, BootParamError, BootParams, Share, MAX_HOSTNAME};
 use bulkhead_protocol::{
     write_frame, Ack, ErrorCode, Frame, RestoredRequest, MAX_RESTORE_ENTROPY, MIN_RESTORE_ENTROPY,
     PROTOCOL_VERSION,
 };
 
 use crate::conn::Conn;
-use crate::{init, log};
+use crate::{init, log, mounts, workspace};
 
 /// `RNDADDENTROPY` = `_IOW('R', 0x03, int[2])` (`linux/random.h`): add and credit entropy.
 pub const RNDADDENTROPY: u32 = 0x4008_5203;
@@ -103,6 +108,9 @@ pub enum RestoreError {
     /// The hostname is not 1-64 characters of `[A-Za-z0-9.-]` (quoted, cut to 72 characters).
     #[error("hostname {0:?}: a hostname is 1-64 characters of [A-Za-z0-9.-]")]
     Hostname(String),
+    /// A share parameter is not a valid `bulkhead.workspace=` or `bulkhead.mount=` word.
+    #[error("share_params: {0}")]
+    Shares(#[from] BootParamError),
     /// A step failed; the steps before it were done, the later ones were not.
     #[error("restore step \"{step}\" failed: {source}")]
     Step {
@@ -135,6 +143,10 @@ pub enum Action {
     SetClock(Duration),
     /// Set the hostname.
     SetHostname(String),
+    /// Build the clone workspace over this share (`bulkhead.workspace=`).
+    Workspace(Share),
+    /// Mount this share (`bulkhead.mount=`).
+    Mount(Share),
 }
 
 impl Action {
@@ -145,6 +157,8 @@ impl Action {
             Self::ReseedCrng => "reseed the CRNG (ioctl RNDRESEEDCRNG on /dev/urandom)",
             Self::SetClock(_) => "set the clock (clock_settime CLOCK_REALTIME)",
             Self::SetHostname(_) => "set the hostname (sethostname)",
+            Self::Workspace(_) => "build the clone workspace (virtio-fs under an overlay)",
+            Self::Mount(_) => "mount a shared directory (mount -t virtiofs)",
         }
     }
 }
@@ -156,6 +170,8 @@ impl fmt::Debug for Action {
             Self::ReseedCrng => f.write_str("ReseedCrng"),
             Self::SetClock(t) => f.debug_tuple("SetClock").field(t).finish(),
             Self::SetHostname(name) => f.debug_tuple("SetHostname").field(name).finish(),
+            Self::Workspace(share) => f.debug_tuple("Workspace").field(share).finish(),
+            Self::Mount(share) => f.debug_tuple("Mount").field(share).finish(),
         }
     }
 }
@@ -178,6 +194,10 @@ impl Machine for Kernel {
             Action::ReseedCrng => reseed_crng(),
             Action::SetClock(since_epoch) => set_realtime(*since_epoch),
             Action::SetHostname(name) => init::set_hostname(name),
+            Action::Workspace(share) => workspace::mount(&workspace::CloneSpec::restored(share))
+                .map_err(|e| io::Error::other(e.to_string())),
+            Action::Mount(share) => mounts::mount_all(std::slice::from_ref(share))
+                .map_err(|e| io::Error::other(e.to_string())),
         }
     }
 }
@@ -192,11 +212,11 @@ impl Machine for DryRun {
     }
 }
 
-/// Checks `req` and lists what restoring means for it: entropy, reseed, clock, and the
-/// hostname when given. Nothing is done yet.
+/// Checks `req` and lists what restoring means for it: entropy, reseed, clock, the hostname
+/// when given, then the shares. Nothing is done yet.
 ///
 /// # Errors
-/// The first problem found: version, entropy length, time, hostname.
+/// The first problem found: version, entropy length, time, hostname, share parameters.
 pub fn plan(req: &RestoredRequest) -> Result<Vec<Action>, RestoreError> {
     if req.version != PROTOCOL_VERSION {
         return Err(RestoreError::Version(req.version));
@@ -217,6 +237,9 @@ pub fn plan(req: &RestoredRequest) -> Result<Vec<Action>, RestoreError> {
         }
         actions.push(Action::SetHostname(name.clone()));
     }
+    let shares = BootParams::parse_shares(&req.share_params)?;
+    actions.extend(shares.workspace.map(Action::Workspace));
+    actions.extend(shares.mounts.into_iter().map(Action::Mount));
     Ok(actions)
 }
 
@@ -690,5 +713,88 @@ mod tests {
             std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(),
             hostname_before
         );
+    }
+
+    #[test]
+    fn shares_are_mounted_last_workspace_first_in_the_order_given() {
+        // Arrange
+        let mut req = request(32, None);
+        req.share_params = vec![
+            "bulkhead.mount=mount0:/data:ro".into(),
+            "bulkhead.workspace=workspace:/workspace:clone".into(),
+            "bulkhead.mount=mount1:/data/sub".into(),
+        ];
+        let share = |tag: &str, dir: &str, read_only| Share {
+            tag: tag.into(),
+            guest_dir: dir.into(),
+            read_only,
+        };
+        let mut machine = Recorder::default();
+
+        // Act
+        let reply = respond(&req, &mut machine);
+
+        // Assert
+        assert_eq!(reply, Frame::Ack(Ack { bytes: 0 }));
+        assert_eq!(
+            machine.asked[3..],
+            [
+                Action::Workspace(share("workspace", "/workspace", false)),
+                Action::Mount(share("mount0", "/data", true)),
+                Action::Mount(share("mount1", "/data/sub", false)),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_bad_share_parameter_is_refused_and_nothing_is_done() {
+        // Arrange
+        let mut req = request(32, None);
+        req.share_params = vec![
+            "bulkhead.mount=mount0:/data".into(),
+            "bulkhead.egress=on".into(),
+        ];
+        let mut machine = Recorder::default();
+
+        // Act
+        let reply = respond(&req, &mut machine);
+
+        // Assert
+        let error = error_of(reply);
+        assert_eq!(error.code, ErrorCode::InvalidRequest);
+        assert!(
+            error.message.contains("bulkhead.egress=on"),
+            "{}",
+            error.message
+        );
+        assert!(machine.asked.is_empty());
+    }
+
+    #[test]
+    fn a_failed_mount_names_its_step_and_stops_there() {
+        // Arrange
+        let mut req = request(32, None);
+        req.share_params = vec![
+            "bulkhead.mount=mount0:/a".into(),
+            "bulkhead.mount=mount1:/b".into(),
+        ];
+        let first = Action::Mount(Share {
+            tag: "mount0".into(),
+            guest_dir: "/a".into(),
+            read_only: false,
+        });
+        let mut machine = Recorder::refusing(&first, libc::ENOENT);
+
+        // Act
+        let reply = respond(&req, &mut machine);
+
+        // Assert
+        let error = error_of(reply);
+        assert!(
+            error.message.contains("mount a shared directory"),
+            "{}",
+            error.message
+        );
+        assert_eq!(machine.asked.last(), Some(&first));
     }
 }

@@ -45,7 +45,7 @@ use bulkhead_protocol::{
 use crate::changes::{self, Change};
 use crate::conn::Conn;
 use crate::rootfs::{self, Step};
-use bulkhead_protocol::boot::{BootParams, Overlay};
+use bulkhead_protocol::boot::{BootParams, Overlay, Share};
 
 /// Where the layers are mounted while the overlay is built.
 pub const STAGING_DIR: &str = "/run/bulkhead/workspace";
@@ -93,6 +93,27 @@ impl CloneSpec {
             tag: share.tag.clone(),
             target: share.guest_dir.clone(),
             upper,
+        })
+    }
+}
+
+impl CloneSpec {
+    /// The clone workspace of a restore that attached `share` (see [`crate::restore`]): its
+    /// writable layer where a boot with `share` would have put it, on the scratch disk of the
+    /// image root this guest booted with (`/proc/cmdline`), else on a tmpfs.
+    pub fn restored(share: &Share) -> CloneSpec {
+        let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+        let root = BootParams::parse(&cmdline).ok().and_then(|p| p.root);
+        let params = BootParams {
+            root,
+            workspace: Some(share.clone()),
+            ..BootParams::default()
+        };
+        // `workspace` is set, so there is a spec.
+        CloneSpec::of(&params).unwrap_or(CloneSpec {
+            tag: share.tag.clone(),
+            target: share.guest_dir.clone(),
+            upper: Overlay::Tmpfs,
         })
     }
 }

@@ -51,7 +51,7 @@ pub struct CreateArgs {
     /// Restore the sandbox from template NAME of the daemon's state directory
     /// (`<state_dir>/templates/NAME`) instead of booting it: it continues where the template's
     /// preparation left it.
-    #[arg(long, value_name = "NAME", conflicts_with_all = ["kernel", "image", "disk_mib", "workspace", "mounts"])]
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["kernel", "image", "disk_mib"])]
     template: Option<String>,
     /// Host CPU quota as a fraction of one CPU (e.g. 0.5).
     #[arg(long, value_name = "FRACTION", value_parser = crate::run::parse_cpu_quota)]

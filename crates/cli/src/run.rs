@@ -43,17 +43,13 @@ pub const MAX_VCPUS: u8 = bulkhead_vmm::config::MAX_VCPUS;
 
 /// The flags of `bulkhead run` that a restore from a template cannot honour yet
 /// (`--template` conflicts with each).
-const TEMPLATE_CONFLICTS: [&str; 19] = [
+const TEMPLATE_CONFLICTS: [&str; 15] = [
     "kernel",
     "initrd",
     "kernel_args",
     "image",
     "scratch_mib",
     "disk_files",
-    "mounts",
-    "workspace",
-    "export_patch",
-    "export_tar",
     "network",
     "allow",
     "deny",
@@ -72,8 +68,9 @@ pub struct RunArgs {
     pub(crate) machine: MachineArgs,
     /// Restore a clone of template NAME (`bulkhead template create`) instead of booting: the
     /// guest continues where the template's preparation left it. Its memory and vCPUs are the
-    /// template's; what a restore cannot give yet (shares, disks, images, a network, another
-    /// kernel) is refused.
+    /// template's; --mount and --workspace are attached to the template's share slots (see
+    /// `template create --share-slots`); what a restore cannot give yet (disks, images, a
+    /// network, another kernel) is refused.
     #[arg(
         long,
         value_name = "NAME",
@@ -144,11 +141,11 @@ pub struct RunArgs {
     /// workspace as a git-style patch to FILE (apply with `git apply FILE` in DIR or a copy).
     /// Paths that run code on the host implicitly are listed on stderr for review.
     #[arg(long, value_name = "FILE", conflicts_with = "export_tar")]
-    export_patch: Option<PathBuf>,
+    pub(crate) export_patch: Option<PathBuf>,
     /// With `--workspace DIR:clone`: like --export-patch, as a tar archive of the changed files
     /// with `.bulkhead-export/deleted` and `.bulkhead-export/manifest.json`.
     #[arg(long, value_name = "FILE")]
-    export_tar: Option<PathBuf>,
+    pub(crate) export_tar: Option<PathBuf>,
     #[command(flatten)]
     network: NetworkArgs,
     /// The value of secret NAME (`--secret NAME=HOSTS`) from FILE instead of the environment

@@ -161,12 +161,14 @@ fn a_failed_resume_keeps_the_sandbox_paused_with_its_saved_vm_for_a_retry() {
     let retried = rt.block_on(client.resume(&sb.id)).unwrap();
 
     // Assert
+    // Refused before a VMM starts: the state file is read first for its share slots.
     assert_eq!(
         (failed.0, failed.1.as_str()),
-        (502, "vm_exited"),
+        (500, "start_failed"),
         "{failed:?}"
     );
     assert!(failed.2.contains("the sandbox stays paused"), "{failed:?}");
+    assert!(failed.2.contains("state"), "{failed:?}");
     assert_eq!(after_failure.state, SandboxState::Paused);
     assert_eq!(kept, ["memory", "sandbox.json", "state"]);
     assert_eq!(retried.state, SandboxState::Running);
@@ -370,6 +372,13 @@ fn template_requests_the_daemon_cannot_honour_are_refused_clearly() {
     let bad_name = ask("../base", |_| {});
     let other_memory = ask("base", |r| r.memory_mib = 512);
     let with_image = ask("base", |r| r.image = Some("debian".into()));
+    let with_mount = ask("base", |r| {
+        r.mounts = vec![MountSpec {
+            host: "/".into(),
+            guest: "/data".into(),
+            ro: true,
+        }]
+    });
 
     // Assert
     assert_eq!((unknown.0, unknown.1.as_str()), (404, "template_not_found"));
@@ -383,5 +392,8 @@ fn template_requests_the_daemon_cannot_honour_are_refused_clearly() {
     assert!(with_image
         .2
         .contains("image: not supported with a template yet"));
+    // The fake's template was a sandbox booted without share slots.
+    assert_eq!(with_mount.0, 400, "{with_mount:?}");
+    assert!(with_mount.2.contains("0 share slots"), "{with_mount:?}");
     assert_eq!(daemon.leftovers(&[]), Vec::<String>::new());
 }

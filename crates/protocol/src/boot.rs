@@ -123,6 +123,10 @@ pub enum BootParamError {
     /// `bulkhead.overlay` without `bulkhead.root`.
     #[error("{OVERLAY_KEY} needs {ROOT_KEY}")]
     OverlayWithoutRoot,
+    /// A restore's share parameter that is not one `bulkhead.workspace=` or `bulkhead.mount=`
+    /// word (shown cut to 80 characters).
+    #[error("{0:?} is not a {WORKSPACE_KEY}= or {MOUNT_KEY}= parameter")]
+    NotAShare(String),
 }
 
 impl BootParams {
@@ -183,6 +187,45 @@ impl BootParams {
             out.push(format!("{EGRESS_KEY}={EGRESS_ON}"));
         }
         Ok(out)
+    }
+
+    /// The shares of `self` (workspace, then mounts) encoded as [`BootParams::to_params`]
+    /// encodes them, for a restore that attaches them
+    /// ([`crate::RestoredRequest::share_params`]); the other values are not shares and are left
+    /// out.
+    ///
+    /// # Errors
+    /// As [`BootParams::to_params`].
+    pub fn share_params(&self) -> Result<Vec<String>, BootParamError> {
+        BootParams {
+            workspace: self.workspace.clone(),
+            mounts: self.mounts.clone(),
+            ..BootParams::default()
+        }
+        .to_params()
+    }
+
+    /// Reads a restore's share parameters ([`BootParams::share_params`]): each entry must be one
+    /// `bulkhead.workspace=` or `bulkhead.mount=` word. The result has only `workspace` and
+    /// `mounts` set.
+    ///
+    /// # Errors
+    /// [`BootParamError::NotAShare`] for any other entry, then the first error of
+    /// [`BootParams::parse`].
+    pub fn parse_shares(params: &[String]) -> Result<BootParams, BootParamError> {
+        let share_key = |p: &str| {
+            [WORKSPACE_KEY, MOUNT_KEY].iter().any(|key| {
+                p.strip_prefix(key)
+                    .is_some_and(|rest| rest.starts_with('='))
+            })
+        };
+        if let Some(bad) = params
+            .iter()
+            .find(|p| !share_key(p) || p.contains(char::is_whitespace))
+        {
+            return Err(BootParamError::NotAShare(bad.chars().take(80).collect()));
+        }
+        Self::parse(&params.join(" "))
     }
 
     /// Reads the bulkhead parameters of a kernel command line (`/proc/cmdline`).

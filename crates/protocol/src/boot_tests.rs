@@ -212,3 +212,49 @@ fn only_bulkhead_keys_count_as_bulkhead_parameters() {
     assert!(!is_bulkhead_param("loglevel=7"));
     assert!(!is_bulkhead_param("console=bulkhead.x"));
 }
+
+#[test]
+fn share_params_carry_only_the_shares_and_read_back() {
+    // Arrange
+    let params = everything();
+
+    // Act
+    let encoded = params.share_params().unwrap();
+    let decoded = BootParams::parse_shares(&encoded).unwrap();
+
+    // Assert
+    assert!(encoded
+        .iter()
+        .all(|p| p.starts_with("bulkhead.workspace=") || p.starts_with("bulkhead.mount=")));
+    assert_eq!(decoded.workspace, params.workspace);
+    assert_eq!(decoded.mounts, params.mounts);
+    assert_eq!(
+        (decoded.hostname, decoded.root, decoded.egress),
+        (None, None, false)
+    );
+}
+
+#[test]
+fn share_params_refuse_other_keys_and_smuggled_words() {
+    // Arrange
+    let bad = [
+        "bulkhead.hostname=x",
+        "bulkhead.egress=on",
+        "bulkhead.mountx=mount0:/a",
+        "bulkhead.mount=mount0:/a bulkhead.egress=on",
+        "loglevel=7",
+    ];
+
+    // Act / Assert
+    for word in bad {
+        let result = BootParams::parse_shares(&[word.to_owned()]);
+        assert!(
+            matches!(result, Err(BootParamError::NotAShare(_))),
+            "{word}: {result:?}"
+        );
+    }
+    assert!(matches!(
+        BootParams::parse_shares(&["bulkhead.mount=mount0:relative".to_owned()]),
+        Err(BootParamError::Invalid { .. })
+    ));
+}

@@ -55,6 +55,10 @@ fn every_kind_of_frame() -> Vec<Frame> {
             entropy: (0..=255).collect(),
             realtime_ns: 1_700_000_000_123_456_789,
             hostname: Some("clone-2".into()),
+            share_params: vec![
+                "bulkhead.workspace=workspace:/workspace:clone".into(),
+                "bulkhead.mount=mount0:/data:ro".into(),
+            ],
         }),
         Frame::Restored(RestoredRequest::new(vec![0; 32], u64::MAX)),
         Frame::Started(Started { pid: 42 }),
@@ -122,6 +126,7 @@ fn restored_without_a_hostname_decodes_with_none() {
             entropy: vec![0x00, 0xff],
             realtime_ns: 7,
             hostname: None,
+            share_params: Vec::new(),
         })
     );
 }

@@ -269,6 +269,13 @@ pub struct RestoredRequest {
     /// hostname stays as it was when absent.
     #[serde(default)]
     pub hostname: Option<String>,
+    /// Shares to mount now, as the boot parameters of the [`crate::boot`] codec that a boot with
+    /// them would have had: only `bulkhead.workspace=TAG:DIR:clone` and
+    /// `bulkhead.mount=TAG:DIR[:ro]`, in the order to mount them. Each TAG names a virtio-fs
+    /// device the snapshot has, idle until now (the host attached a directory to it when it
+    /// restored the VM). Empty (and absent on the wire) when the restore mounts nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub share_params: Vec<String>,
 }
 
 impl RestoredRequest {
@@ -279,6 +286,7 @@ impl RestoredRequest {
             entropy,
             realtime_ns,
             hostname: None,
+            share_params: Vec::new(),
         }
     }
 }
@@ -290,6 +298,7 @@ impl fmt::Debug for RestoredRequest {
             .field("entropy", &format_args!("<{} bytes>", self.entropy.len()))
             .field("realtime_ns", &self.realtime_ns)
             .field("hostname", &self.hostname)
+            .field("share_params", &self.share_params)
             .finish()
     }
 }

@@ -191,6 +191,11 @@ pub struct SandboxConfig {
     /// The sandbox's network: its egress proxy's settings (see [`crate::egress`]); no network
     /// (no proxy, no way out of the guest) when `None`.
     pub egress: Option<EgressSettings>,
+    /// Idle virtio-fs devices for a sandbox that will be snapshotted, so that its restores can
+    /// have mounts and a workspace: this many for mounts, plus one for a clone workspace (see
+    /// [`crate::snapshot`]); 0 (the default): none. At most [`crate::mounts::MAX_MOUNTS`]; a
+    /// sandbox with slots has no mounts or workspace of its own.
+    pub share_slots: u8,
 }
 
 impl Default for SandboxConfig {
@@ -707,6 +712,11 @@ fn write_vm_config(
     all_mounts.extend(ws.mount.clone());
     let mut shared = mounts::prepare(&all_mounts)?;
     shared.shares.extend(ws.share.clone());
+    crate::snapshot::check_share_slots(config)?;
+    let runtime = path.parent().unwrap_or(Path::new("."));
+    shared
+        .shares
+        .extend(crate::snapshot::idle_shares(runtime, config.share_slots)?);
     let boot = BootParams {
         hostname: config.hostname.clone(),
         root: disks.root.clone(),

@@ -18,8 +18,9 @@
 //! its runtime directory, whence it is moved to the destination, and a restoring one sees the
 //! snapshot's two files read-only.
 //!
-//! Not yet: restoring with mounts, a workspace or a network; each is refused with an error that
-//! says so.
+//! A restore can attach host directories (mounts, a workspace) to the idle virtio-fs devices
+//! that a sandbox started with [`SandboxConfig::share_slots`] keeps for them ([`slots`]). Not
+//! yet: restoring with a network or disks; it is refused with an error that says so.
 
 use std::fs;
 use std::io::{self, Read};
@@ -27,7 +28,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use bulkhead_protocol::client::AgentClient;
+use bulkhead_protocol::client::{AgentClient, ClientError};
 use bulkhead_protocol::{Ready, RestoredRequest, PROTOCOL_VERSION};
 use bulkhead_vmm::config::VmConfig;
 use bulkhead_vmm::control::{self, Request};
@@ -42,8 +43,13 @@ use crate::sandbox::{
     API_SOCKET, EXIT_FILE,
 };
 use crate::vmm_process::{VmEnd, VmmProcess};
+use crate::workspace;
 
 mod files;
+mod slots;
+
+pub use slots::ShareSlots;
+pub(crate) use slots::{check_boot as check_share_slots, idle_shares};
 
 /// The sandbox-level manifest in a snapshot directory.
 pub const MANIFEST_FILE: &str = "sandbox.json";
@@ -159,29 +165,43 @@ impl Sandbox {
 
     /// Starts a sandbox from the snapshot in `dir`: a new VMM restores the VM (its memory
     /// shared copy-on-write with every other restore of `dir`), then the agent is told it was
-    /// restored and made distinct (entropy, clock, hostname; see the module docs). `config`
-    /// gives the VMM binary, runtime directory, console, timeout and cgroups; its memory and
-    /// vCPUs must be the snapshot's.
+    /// restored and made distinct (entropy, clock, hostname; see the module docs) and mounts
+    /// `config`'s mounts and workspace, attached to the snapshot's share slots. `config` gives
+    /// the VMM binary, runtime directory, console, timeout and cgroups; its memory and vCPUs
+    /// must be the snapshot's.
     ///
     /// # Errors
-    /// [`Error::Snapshot`] for a directory that is no snapshot, a size mismatch, or a setting
-    /// restores cannot honour yet (jail, mounts, workspace, network); [`Error::VmExited`] with
+    /// [`Error::Snapshot`] for a directory that is no snapshot, a size mismatch, too few share
+    /// slots, or a setting restores cannot honour yet (a network); [`Error::Mount`] and
+    /// [`Error::Workspace`] for unusable directories; [`Error::VmExited`] with
     /// the VMM's log when the restore fails (a corrupt or truncated snapshot, another CPU);
     /// [`Error::ReadyTimeout`]. Nothing is left running or on disk when this fails.
     pub fn restore(config: &SandboxConfig, dir: &Path) -> Result<Sandbox, Error> {
         let started = Instant::now();
         let manifest = Manifest::read(dir)?;
         check_restorable(config, &manifest)?;
+        let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
         let runtime = make_runtime_dir(&config.runtime_dir)?;
+        let saved = bulkhead_vmm::snapshot::share_tags(dir)
+            .map_err(|e| Error::Snapshot(format!("{}: {e}", dir.display())))?;
+        let attached = slots::attach(config, &ws, &saved, runtime.path())?;
+        workspace::record(runtime.path(), &ws)?;
         let uds_path = runtime.path().join("vm.sock");
         let log_path = runtime.path().join("vmm.log");
         let exit_path = runtime.path().join(EXIT_FILE);
         jail::make_vmm_dir(runtime.path())?;
         let jail_args = match jail::active(config.jail) {
-            true => Jail::prepare(runtime.path(), &VmConfig::new(dir.join("state")), None)?.args(),
+            true => {
+                let vm = VmConfig {
+                    shares: attached.shares.clone(),
+                    ..VmConfig::new(dir.join("state"))
+                };
+                Jail::prepare(runtime.path(), &vm, None)?.args()
+            }
             false => Vec::new(),
         };
-        let launch = restore_args(config, dir, runtime.path(), &uds_path);
+        let mut launch = restore_args(config, dir, runtime.path(), &uds_path);
+        launch.extend(attached.args());
         let launch: Vec<&std::ffi::OsStr> = launch.iter().map(|a| a.as_os_str()).collect();
         let options = SpawnOptions {
             kill_on_parent_exit: config.kill_on_parent_exit,
@@ -214,21 +234,30 @@ impl Sandbox {
             egress_log: None,
         };
         // Dropping the sandbox on an error stops the VMM and removes the runtime directory.
-        sandbox.tell_restored(config)?;
+        sandbox.tell_restored(config, &attached.params)?;
         sandbox.timings.ready = started.elapsed();
         Ok(sandbox)
     }
 
     /// Sends the agent its [`RestoredRequest`], retrying while the restored guest's vsock comes
     /// back, until `config.ready_timeout`.
-    fn tell_restored(&mut self, config: &SandboxConfig) -> Result<(), Error> {
+    fn tell_restored(&mut self, config: &SandboxConfig, shares: &[String]) -> Result<(), Error> {
         let deadline = Instant::now() + config.ready_timeout;
         let client = AgentClient::hybrid(&self.uds_path).with_timeout(config.ready_timeout);
         loop {
-            let request = restored_request(config.hostname.clone())?;
+            let mut request = restored_request(config.hostname.clone())?;
+            request.share_params = shares.to_vec();
             let attempt = client.restored(&request);
             match attempt {
                 Ok(()) => return Ok(()),
+                // The agent answered: retrying would not change its mind (e.g. a share it could
+                // not mount).
+                Err(ClientError::Agent(refusal)) => {
+                    return Err(Error::Snapshot(format!(
+                        "the restored guest's agent refused the restore: {}",
+                        refusal.message
+                    )))
+                }
                 Err(e) => {
                     if let Some(end) = self.wait_exit(Duration::ZERO)? {
                         return Err(self.exited(end));
@@ -275,10 +304,8 @@ fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), E
             manifest.vcpus, config.vcpus
         ));
     }
-    if !config.mounts.is_empty() || config.workspace.is_some() || config.egress.is_some() {
-        return refuse(
-            "a restored sandbox cannot have mounts, a workspace or a network yet".into(),
-        );
+    if config.egress.is_some() {
+        return refuse("a restored sandbox cannot have a network yet".into());
     }
     Ok(())
 }
@@ -327,6 +354,7 @@ fn restored_request(hostname: Option<String>) -> Result<RestoredRequest, Error> 
         )
         .unwrap_or(u64::MAX),
         hostname,
+        share_params: Vec::new(),
     })
 }
 

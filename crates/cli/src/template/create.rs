@@ -8,6 +8,7 @@ use std::time::{Instant, SystemTime};
 
 use bulkhead_image::manifest::rfc3339_utc;
 use bulkhead_protocol::ExecRequest;
+use bulkhead_sandbox::mounts::MAX_MOUNTS;
 use bulkhead_sandbox::spec::new_id;
 use bulkhead_sandbox::{Recipe, Sandbox};
 
@@ -25,10 +26,20 @@ pub struct CreateArgs {
     name: String,
     #[command(flatten)]
     machine: MachineArgs,
+    /// Idle shared-directory devices kept in the template, so that `run --template` and
+    /// `create --template` can attach --mount directories (and a direct --workspace) to them,
+    /// 0 to 8; any slot also gives one for a clone --workspace. Each costs the template a
+    /// virtio-fs device and the boot a moment.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_SHARE_SLOTS,
+          value_parser = clap::value_parser!(u8).range(0..=MAX_MOUNTS as i64))]
+    share_slots: u8,
     /// The preparation command and its arguments, run before the snapshot; it must exit 0.
     #[arg(last = true, value_name = "CMD")]
     prepare: Vec<String>,
 }
+
+/// Share slots of a template unless `--share-slots` says otherwise.
+pub const DEFAULT_SHARE_SLOTS: u8 = 2;
 
 /// Creates the template; returns the exit status: 0, or the preparation command's non-zero
 /// status (nothing is saved then).
@@ -47,6 +58,7 @@ pub fn create(store: &TemplateStore, args: &CreateArgs) -> Result<u8, String> {
     let run_dir = rundir::create(&recipe.config.runtime_dir)?;
     let mut config = recipe.config.clone();
     config.runtime_dir = run_dir.path().to_owned();
+    config.share_slots = args.share_slots;
     let router = SignalRouter::install(run_dir.path().to_owned())?;
     let mut sandbox = match Sandbox::start_with(&config, &recipe.storage) {
         Ok(sandbox) => sandbox,

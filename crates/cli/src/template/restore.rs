@@ -3,12 +3,13 @@
 //!
 //! A restore gives the clone the template's memory and vCPUs, a fresh hostname, entropy and
 //! clock (see `bulkhead_sandbox::snapshot`), and the run's environment, user, working directory,
-//! console and limits; it cannot yet give it shares, disks, an image or a network.
+//! console, limits, mounts and workspace (attached to the template's share slots); it cannot yet
+//! give it disks, an image or a network.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use bulkhead_sandbox::spec::{limits_of, new_id};
+use bulkhead_sandbox::spec::{limits_of, new_id, resolve_shares};
 use bulkhead_sandbox::{
     ExecDefaults, HostSettings, Recipe, Sandbox, SandboxConfig, SandboxSpec, Storage, Timings,
 };
@@ -34,6 +35,11 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
     };
     let host = run::host_settings(args, &spec)?;
     let mut recipe = restore_recipe(&spec, &host, &template, &id)?;
+    let export_to = crate::run_export::target(
+        args.export_patch.as_deref(),
+        args.export_tar.as_deref(),
+        recipe.config.workspace.as_ref(),
+    )?;
     if let Some(console) = &args.console {
         crate::run_export::check_output_file("the console", console)?;
     }
@@ -55,8 +61,13 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
     let patience = run::agent_patience(args.machine.boot_timeout);
     let first_output = OnceLock::new();
     let outcome = run::execute(&mut sandbox, &request, &router, patience, &first_output);
+    let exported = match (&outcome, &export_to) {
+        (Ok(run::Outcome::Exited(_)), Some(target)) => crate::run_export::export(&sandbox, target),
+        _ => Ok(()),
+    };
     let destroyed = sandbox.destroy_timed();
     let status = outcome?;
+    exported?;
     match destroyed {
         Ok(timings) if args.timings => {
             let e2e = first_output.get().map(|at| at.duration_since(created));
@@ -97,12 +108,12 @@ pub fn sizes(
 }
 
 /// The recipe of sandbox `id` restored from `template`: `spec`'s sizes (the template's, see
-/// [`sizes`]), hostname, environment, user, working directory and limits on `host` (VMM,
-/// runtime directory, console, timeout, jail). Its kernel and initramfs are the template's, for
-/// the record: a restore reads neither. Nothing is started.
+/// [`sizes`]), hostname, environment, user, working directory, limits, mounts and workspace on
+/// `host` (VMM, runtime directory, console, timeout, jail). Its kernel and initramfs are the
+/// template's, for the record: a restore reads neither. Nothing is started.
 ///
 /// # Errors
-/// An invalid spec (environment, hostname, limits).
+/// An invalid spec (environment, hostname, limits, shares).
 pub fn restore_recipe(
     spec: &SandboxSpec,
     host: &HostSettings,
@@ -110,6 +121,7 @@ pub fn restore_recipe(
     id: &str,
 ) -> Result<Recipe, String> {
     spec.validate().map_err(|e| e.to_string())?;
+    let (mounts, workspace) = resolve_shares(spec, host).map_err(|e| e.to_string())?;
     let config = SandboxConfig {
         kernel: template.manifest.kernel.clone(),
         initrd: template.manifest.initrd.clone(),
@@ -122,6 +134,8 @@ pub fn restore_recipe(
         ready_timeout: host.ready_timeout,
         kill_on_parent_exit: host.kill_on_parent_exit,
         jail: host.jail,
+        mounts,
+        workspace,
         ..SandboxConfig::default()
     };
     Ok(Recipe {

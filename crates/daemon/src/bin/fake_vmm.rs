@@ -72,14 +72,17 @@ fn end_vm(reason: &ExitReason) -> ! {
     std::process::exit(0)
 }
 
-/// The `state` file of this fake's snapshots.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+/// The body of this fake's snapshot `state` files (in the real file format's header, so that
+/// `bulkhead_vmm::snapshot::share_tags` reads the configuration as from a real one).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FakeState {
     /// Always true: marks the fake's format.
     fake_vmm: bool,
     vcpus: u8,
     memory_mib: u32,
+    /// The configuration the fake "booted" with.
+    config: VmConfig,
 }
 
 fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
@@ -98,8 +101,7 @@ fn run(started: bulkhead_protocol::BootTimestamps) -> Result<(), String> {
 /// `--restore DIR`: the "guest" of a snapshot, its agent on `--vsock-uds`, announcing nothing.
 fn restore(dir: &std::path::Path, args: &Args) -> Result<(), String> {
     let path = dir.join("state");
-    let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let state: FakeState = serde_json::from_slice(&bytes)
+    let state: FakeState = bulkhead_vmm::snapshot::format::read_file(&path)
         .map_err(|e| format!("{}: not a fake VMM snapshot: {e}", path.display()))?;
     let uds = args.vsock_uds.as_ref().ok_or(USAGE)?;
     start_guest()?;
@@ -140,7 +142,7 @@ fn boot(
     {
         return Err("the fake VMM has no network (its commands run on the host)".into());
     }
-    let vsock = vm.vsock.ok_or("the VM has no vsock device")?;
+    let vsock = vm.vsock.clone().ok_or("the VM has no vsock device")?;
     if let Some(share) = vm.shares.iter().find(|s| s.tag == "workspace") {
         let upper = config.with_file_name("workspace-upper");
         std::fs::create_dir_all(&upper).map_err(|e| format!("{}: {e}", upper.display()))?;
@@ -170,6 +172,7 @@ fn boot(
         fake_vmm: true,
         vcpus: vm.vcpus,
         memory_mib: vm.memory_mib,
+        config: vm.clone(),
     };
     serve_control(args.api_sock.as_deref(), sizes)?;
     println!("fake-vmm: agent ready");
@@ -199,7 +202,7 @@ fn serve_control(path: Option<&std::path::Path>, state: FakeState) -> Result<(),
     let path = path.to_owned();
     thread::spawn(move || {
         for stream in listener.incoming().flatten() {
-            control(stream, &path, state);
+            control(stream, &path, state.clone());
         }
     });
     Ok(())
@@ -233,8 +236,8 @@ fn control(stream: UnixStream, socket: &std::path::Path, state: FakeState) {
 fn write_snapshot(dir: &std::path::Path, state: FakeState) -> Result<(), String> {
     let failed = |e: io::Error| format!("{}: {e}", dir.display());
     std::fs::create_dir_all(dir).map_err(failed)?;
-    let json = serde_json::to_vec(&state).map_err(|e| e.to_string())?;
-    std::fs::write(dir.join("state"), json).map_err(failed)?;
+    bulkhead_vmm::snapshot::format::write_file(&dir.join("state"), &state)
+        .map_err(|e| e.to_string())?;
     let memory = std::fs::File::create(dir.join("memory")).map_err(failed)?;
     memory
         .set_len(u64::from(state.memory_mib) << 20)

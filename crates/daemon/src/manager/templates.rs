@@ -12,8 +12,8 @@
 use std::path::{Path, PathBuf};
 
 use bulkhead_client::types::{DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
-use bulkhead_client::CreateSandbox;
-use bulkhead_sandbox::snapshot::Manifest;
+use bulkhead_client::{CreateSandbox, WorkspaceMode};
+use bulkhead_sandbox::snapshot::{Manifest, ShareSlots};
 
 use super::ManagerError;
 use crate::config::Config;
@@ -30,6 +30,8 @@ pub struct Template {
     pub dir: PathBuf,
     /// Its manifest (`sandbox.json`): memory, vCPUs, the agent's readiness.
     pub manifest: Manifest,
+    /// Its share slots: how many mounts (and whether a clone workspace) a restore can attach.
+    pub slots: ShareSlots,
 }
 
 /// Whether `name` is a template name: 1-64 of `A-Z a-z 0-9 . _ -`, starting with a letter or
@@ -70,10 +72,13 @@ pub fn resolve(config: &Config, name: &str) -> Result<Template, ManagerError> {
     }
     let manifest = Manifest::read(&dir)
         .map_err(|e| ManagerError::Internal(format!("template {name}: {e}")))?;
+    let slots = ShareSlots::of_snapshot(&dir)
+        .map_err(|e| ManagerError::Internal(format!("template {name}: {e}")))?;
     Ok(Template {
         name: name.to_owned(),
         dir,
         manifest,
+        slots,
     })
 }
 
@@ -81,15 +86,15 @@ pub fn resolve(config: &Config, name: &str) -> Result<Template, ManagerError> {
 /// template's (a request's default values mean "the template's").
 ///
 /// # Errors
-/// [`ManagerError::Invalid`] for vCPUs or memory other than the template's, and for settings a
-/// restore cannot honour yet (kernel, image, scratch disk, workspace, mounts, network).
+/// [`ManagerError::Invalid`] for vCPUs or memory other than the template's, for more mounts
+/// than the template has share slots (mounts and a workspace are attached to them when it is
+/// restored), and for settings a restore cannot honour yet (kernel, image, scratch disk,
+/// network).
 pub fn fit(request: &CreateSandbox, template: &Template) -> Result<CreateSandbox, ManagerError> {
     let unsupported = [
         ("kernel", request.kernel.is_some()),
         ("image", request.image.is_some()),
         ("disk_mib", request.disk_mib.is_some()),
-        ("workspace", request.workspace.is_some()),
-        ("mounts", !request.mounts.is_empty()),
         ("network", request.network.is_some()),
     ];
     if let Some((field, _)) = unsupported.iter().find(|(_, set)| *set) {
@@ -97,6 +102,15 @@ pub fn fit(request: &CreateSandbox, template: &Template) -> Result<CreateSandbox
             "{field}: not supported with a template yet (the sandbox continues the template's VM)"
         )));
     }
+    let clone_ws = request
+        .workspace
+        .as_ref()
+        .is_some_and(|w| w.mode == WorkspaceMode::Clone);
+    let mounts = request.mounts.len() + usize::from(request.workspace.is_some() && !clone_ws);
+    template
+        .slots
+        .check(mounts, clone_ws)
+        .map_err(|e| ManagerError::Invalid(format!("template {}: {e}", template.name)))?;
     let m = &template.manifest;
     let vcpus = size(
         ("vcpus", DEFAULT_VCPUS, request.vcpus),
@@ -173,6 +187,10 @@ mod tests {
                     listening: BootTimestamps::default(),
                 },
             },
+            slots: ShareSlots {
+                mounts: 1,
+                workspace: true,
+            },
         }
     }
 
@@ -205,7 +223,7 @@ mod tests {
     }
 
     #[test]
-    fn shares_and_disks_are_refused_with_a_template() {
+    fn mounts_pass_to_the_restore_and_disks_are_refused_with_a_template() {
         // Arrange
         let t = template(1, 256);
         let mounts = CreateSandbox {
@@ -216,16 +234,32 @@ mod tests {
             }],
             ..CreateSandbox::default()
         };
+        let disk = CreateSandbox {
+            disk_mib: Some(64),
+            ..CreateSandbox::default()
+        };
 
         // Act
-        let refused = fit(&mounts, &t);
+        let kept = fit(&mounts, &t);
+        let refused = fit(&disk, &t);
+
+        let two = CreateSandbox {
+            mounts: vec![mounts.mounts[0].clone(), mounts.mounts[0].clone()],
+            ..CreateSandbox::default()
+        };
+        let too_many = fit(&two, &t);
 
         // Assert
+        assert_eq!(kept.unwrap().mounts, mounts.mounts);
+        let Err(ManagerError::Invalid(message)) = too_many else {
+            panic!("expected a 400: {too_many:?}");
+        };
+        assert!(message.contains("1 share slots"), "{message}");
         let Err(ManagerError::Invalid(message)) = refused else {
             panic!("expected a 400: {refused:?}");
         };
         assert!(
-            message.contains("mounts: not supported with a template yet"),
+            message.contains("disk_mib: not supported with a template yet"),
             "{message}"
         );
     }

@@ -224,7 +224,7 @@ pub fn build(spec: &SandboxSpec, host: &HostSettings, id: &str) -> Result<Recipe
         data_disks: data_disks(spec, host)?,
     };
     storage::check(&storage, &host.runtime_dir)?;
-    let (mounts, workspace) = shares(spec, host)?;
+    let (mounts, workspace) = resolve_shares(spec, host)?;
     let hostname = spec.hostname.clone().unwrap_or_else(|| format!("bh-{id}"));
     let mut config = config_of(spec, host, kernel, Some(hostname));
     config.mounts = mounts;
@@ -268,6 +268,7 @@ pub(crate) fn config_of(
         workspace: spec.workspace.clone(),
         jail: host.jail,
         egress: None,
+        share_slots: 0,
     }
 }
 
@@ -420,8 +421,12 @@ fn require_host_paths(host: &HostSettings, what: &'static str) -> Result<(), Spe
 }
 
 /// The mounts and workspace of `spec`, host paths resolved (inside the host's `mount_roots`
-/// unless host paths are allowed) and checked together.
-fn shares(
+/// unless host paths are allowed) and checked together: what [`build`] puts in its recipe, and
+/// what a restore from a snapshot attaches to the snapshot's share slots.
+///
+/// # Errors
+/// [`SpecError`] for a path outside the mount roots or an unusable mount or workspace.
+pub fn resolve_shares(
     spec: &SandboxSpec,
     host: &HostSettings,
 ) -> Result<(Vec<Mount>, Option<Workspace>), SpecError> {

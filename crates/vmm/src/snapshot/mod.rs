@@ -132,3 +132,18 @@ pub(crate) fn save_vcpu(fd: &kvm_ioctls::VcpuFd, msrs: &[u32]) -> Result<VcpuSta
 pub(crate) fn save_vcpu(_fd: &kvm_ioctls::VcpuFd, _msrs: &[u32]) -> Result<VcpuState, String> {
     Err(Error::Unsupported.to_string())
 }
+
+/// The virtio-fs tags of the snapshot in `dir`, in device order: a restore gives each of them a
+/// host directory ([`RestoreConfig::shares`]).
+///
+/// # Errors
+/// [`Error::Format`] for a missing, truncated, corrupt or foreign state file.
+pub fn share_tags(dir: &std::path::Path) -> Result<Vec<String>, Error> {
+    /// The part of [`VmSnapshot`] this reads.
+    #[derive(Deserialize)]
+    struct Saved {
+        config: VmConfig,
+    }
+    let saved: Saved = format::read_file(&dir.join(STATE_FILE))?;
+    Ok(saved.config.shares.into_iter().map(|s| s.tag).collect())
+}
