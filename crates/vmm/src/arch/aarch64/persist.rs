@@ -262,8 +262,9 @@ pub fn restore_vcpu(
 fn reg_list(vcpu: &kvm_ioctls::VcpuFd) -> Result<Vec<u64>, Error> {
     use kvm_bindings::RegList;
 
-    /// Enough for a vCPU without SVE (Linux 6.x lists about 300).
-    const FIRST_GUESS: usize = 512;
+    /// The most `RegList` holds (kvm-bindings' `ARM64_REGS_MAX`); Linux 6.x lists about 300 for
+    /// a vCPU without SVE or PMU.
+    const FIRST_GUESS: usize = 500;
     let mut list = RegList::new(FIRST_GUESS).map_err(Error::RegList)?;
     match vcpu.get_reg_list(&mut list) {
         Ok(()) => Ok(list.as_slice().to_vec()),
