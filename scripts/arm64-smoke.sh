@@ -216,7 +216,7 @@ HOST_SETUP
 # check_console fails unless each printed an ok line.
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-10mib run-disk run-virtiofs-read
-    run-virtiofs-write run-egress)
+    run-virtiofs-write run-egress template-clone clone-distinct clone-clock)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -405,6 +405,65 @@ if [ "$status" = 0 ] && grep -qx 'got: bulkhead-egress-ok' /tmp/run-egress.out &
 else
     fail run-egress "status $status" /tmp/run-egress.out /tmp/run-egress.err /tmp/egress.jsonl \
         /tmp/run-egress.console
+fi
+
+# Snapshots (issue 29): a 2-vCPU template whose preparation wrote /tmp/x (snapshot of vCPUs,
+# GICv3, UART, virtio devices, memory), then two clones restored from it by jailed VMMs. Each
+# reads the template's file, runs a task on vCPU 1 that sleeps a second (the restored secondary
+# vCPU runs and gets its timer interrupt), and their random bytes differ (the agent reseeds each
+# clone); the clone's clock is the host's (the agent sets it).
+# tcall NAME ARGS...: bulkhead ARGS, outputs in /tmp/NAME.out and .err; sets $status.
+tcall() {
+    name=$1
+    shift
+    echo "arm64-smoke: running: bulkhead $*"
+    timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead "$@" >"/tmp/$name.out" 2>"/tmp/$name.err"
+    status=$?
+}
+tcall template-create template create arm64-smoke --vcpus 2 --boot-timeout "$VMM_TIMEOUT" \
+    -- sh -c 'echo 42 >/tmp/x'
+create_status=$status
+clone() {
+    eval "before_$(echo "$1" | tr - _)=$(date +%s)"
+    tcall "$1" run --template arm64-smoke --boot-timeout "$VMM_TIMEOUT" \
+        --console "/tmp/$1.console" -- sh -c 'cat /tmp/x; head -c 16 /dev/urandom | od -x | head -n1
+            taskset -c 1 sh -c "sleep 1; cat /sys/devices/system/cpu/online"; date +%s'
+    eval "after_$(echo "$1" | tr - _)=$(date +%s)"
+}
+clone clone-1
+status_c1=$status
+clone clone-2
+status_c2=$status
+if [ "$create_status" = 0 ] && [ "$status_c1" = 0 ] && [ "$status_c2" = 0 ] &&
+    [ "$(head -n1 /tmp/clone-1.out)" = 42 ] && [ "$(head -n1 /tmp/clone-2.out)" = 42 ] &&
+    [ "$(sed -n 3p /tmp/clone-1.out)" = 0-1 ] && [ "$(sed -n 3p /tmp/clone-2.out)" = 0-1 ]; then
+    ok template-clone "template created ($(tail -n1 /tmp/template-create.err)); both clones read 42 from /tmp/x and slept 1 s on vCPU 1 (CPUs 0-1 online)"
+else
+    fail template-clone "create status $create_status, clones $status_c1 and $status_c2" \
+        /tmp/template-create.out /tmp/template-create.err /tmp/clone-1.out /tmp/clone-1.err \
+        /tmp/clone-1.console /tmp/clone-2.out /tmp/clone-2.err /tmp/clone-2.console
+fi
+random_1=$(sed -n 2p /tmp/clone-1.out)
+random_2=$(sed -n 2p /tmp/clone-2.out)
+if [ "$status_c1" = 0 ] && [ "$status_c2" = 0 ] && [ -n "$random_1" ] && [ "$random_1" != "$random_2" ]; then
+    ok clone-distinct "urandom differs: [$random_1] vs [$random_2]"
+else
+    fail clone-distinct "urandom [$random_1] vs [$random_2]" /tmp/clone-1.out /tmp/clone-2.out
+fi
+# clock_ok NAME: the clone's `date +%s` (its last line) is between the host's before and after
+# the run (1 s of slack each side); without the agent setting it, it would be the template's
+# clock, behind by the time since the snapshot (clone-1's whole run, for clone-2).
+clock_ok() {
+    guest=$(sed -n 4p "/tmp/$1.out")
+    eval "before=\$before_$(echo "$1" | tr - _) after=\$after_$(echo "$1" | tr - _)"
+    clocks="$clocks$1: host $before..$after guest $guest; "
+    [ -n "$guest" ] && [ "$guest" -ge $((before - 1)) ] && [ "$guest" -le $((after + 1)) ]
+}
+clocks=""
+if clock_ok clone-1 && clock_ok clone-2; then
+    ok clone-clock "$clocks"
+else
+    fail clone-clock "$clocks" /tmp/clone-1.out /tmp/clone-2.out
 fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS

@@ -203,7 +203,7 @@ impl VmParts {
     pub(crate) fn new(
         config: &VmConfig,
         kvm: KvmContext,
-        vm: vm::Vm,
+        mut vm: vm::Vm,
         mem: GuestMemoryMmap,
         timeline: BootTimeline,
     ) -> Result<VmParts, Error> {
@@ -211,7 +211,7 @@ impl VmParts {
         // vCPUs and the interrupt controller exist before any device wires an irqfd (arm64 KVM
         // refuses irqfds until its GIC, which needs every vCPU, is initialised).
         let vcpu_fds = create_vcpus(&vm, config.vcpus)?;
-        arch::setup_irqchip(vm.fd(), &vcpu_fds)?;
+        vm.set_irqchip(arch::setup_irqchip(vm.fd(), &vcpu_fds)?);
         tracing::debug!(ms = ms_since(step), vcpus = config.vcpus, "vCPUs created");
         let step = Instant::now();
         let shared = Arc::new(VcpuShared::new().map_err(Error::EventFd)?);
@@ -261,7 +261,6 @@ impl VmParts {
     }
 
     /// The vCPUs' file descriptors, by index.
-    #[cfg(target_arch = "x86_64")]
     pub(crate) fn vcpu_fds(&self) -> &[VcpuFd] {
         &self.vcpu_fds
     }

@@ -5,8 +5,8 @@
 //!
 //! 1. [`arch_memory_regions`] gives the RAM regions to create guest memory with.
 //! 2. After `KVM_CREATE_VCPU` of every vCPU, [`setup_irqchip`] completes the in-kernel interrupt
-//!    controller (aarch64: the GICv3, sized for the vCPUs; x86_64: nothing, it is made with the
-//!    VM). Only then are irqfds wired: virtio devices are placed from [`MMIO_BASE`] with
+//!    controller (aarch64: the GICv3, sized for the vCPUs, whose device the VM keeps for
+//!    snapshots; x86_64: nothing, it is made with the VM). Only then are irqfds wired: virtio devices are placed from [`MMIO_BASE`] with
 //!    interrupts [`IRQ_BASE`]..=[`IRQ_MAX`].
 //! 3. [`load_kernel`] loads the kernel; the initramfs goes at [`initrd_load_addr`].
 //! 4. [`setup_boot`] writes what the kernel reads at boot (x86_64: command line, `boot_params`,

@@ -157,8 +157,8 @@ fn unix_sockets(list: &mut Allowlist) {
     #[cfg(target_arch = "x86_64")]
     list.allow(&[libc::SYS_poll]);
     list.allow_values(libc::SYS_ioctl, 1, &[FIONBIO]);
-    // A snapshot reads the VM's interrupt controllers, PIT and clock.
-    #[cfg(target_arch = "x86_64")]
+    // A snapshot reads the VM's interrupt controllers, PIT and clock (aarch64: the vGIC).
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     list.allow_values(libc::SYS_ioctl, 1, &super::vcpu::snapshot::VM_IOCTLS);
     // The control socket's read timeout (SO_RCVTIMEO).
     list.allow_values(libc::SYS_setsockopt, 2, &[libc::SO_RCVTIMEO as u64]);

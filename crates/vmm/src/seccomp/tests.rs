@@ -95,6 +95,17 @@ fn vcpu_ioctls_are_limited_to_kvm_run_and_state_reads() {
             assert!(!rules.contains(&vec![Arg::Eq(1, refused)]), "{refused:#x}");
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // A snapshot's reads: KVM_GET_REG_LIST, KVM_GET_ONE_REG, KVM_GET_MP_STATE.
+        for allowed in [0xc008_aeb0, 0x4010_aeab, 0x8004_ae98] {
+            assert!(rules.contains(&vec![Arg::Eq(1, allowed)]), "{allowed:#x}");
+        }
+        // Never a write of vCPU state: KVM_SET_ONE_REG, KVM_SET_MP_STATE, KVM_ARM_VCPU_INIT.
+        for refused in [0x4010_aeac, 0x4004_ae99, 0x4020_aeae] {
+            assert!(!rules.contains(&vec![Arg::Eq(1, refused)]), "{refused:#x}");
+        }
+    }
 }
 
 #[test]

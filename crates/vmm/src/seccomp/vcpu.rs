@@ -26,12 +26,36 @@ pub(crate) const fn size_of_u32<T>() -> u32 {
     std::mem::size_of::<T>() as u32
 }
 
-/// What a paused vCPU reads for a snapshot (x86_64; none elsewhere yet).
+/// What a paused vCPU reads for a snapshot.
 fn snapshot_ioctls() -> &'static [u64] {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     return &snapshot::VCPU_IOCTLS;
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     return &[];
+}
+
+/// The KVM ioctls an aarch64 snapshot needs (Linux `include/uapi/linux/kvm.h`): reads only.
+#[cfg(target_arch = "aarch64")]
+pub(crate) mod snapshot {
+    use kvm_bindings::{kvm_device_attr, kvm_mp_state, kvm_one_reg, kvm_reg_list, KVMIO};
+    use vmm_sys_util::ioctl::{ioctl_expr, _IOC_READ, _IOC_WRITE};
+
+    use super::size_of_u32;
+
+    const RW: u32 = _IOC_READ | _IOC_WRITE;
+
+    /// What a paused vCPU thread reads for a snapshot: its register list, each register, its MP
+    /// state.
+    pub(crate) const VCPU_IOCTLS: [u64; 3] = [
+        ioctl_expr(RW, KVMIO, 0xb0, size_of_u32::<kvm_reg_list>()), // KVM_GET_REG_LIST
+        ioctl_expr(_IOC_WRITE, KVMIO, 0xab, size_of_u32::<kvm_one_reg>()), // KVM_GET_ONE_REG
+        ioctl_expr(_IOC_READ, KVMIO, 0x98, size_of_u32::<kvm_mp_state>()), // KVM_GET_MP_STATE
+    ];
+
+    /// What the event loop reads of the VM for a snapshot: the vGIC's registers.
+    pub(crate) const VM_IOCTLS: [u64; 1] = [
+        ioctl_expr(_IOC_WRITE, KVMIO, 0xe2, size_of_u32::<kvm_device_attr>()), // KVM_GET_DEVICE_ATTR
+    ];
 }
 
 /// The KVM ioctls a snapshot needs (x86_64; Linux `include/uapi/linux/kvm.h`).

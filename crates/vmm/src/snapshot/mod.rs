@@ -12,8 +12,9 @@
 //! KVM_RUN with its I/O completed, see [`crate::vstate::vcpu`]), so neither the guest nor a
 //! device handler changes anything while the state is read. Restoring ([`restore`]) builds the
 //! VM as a boot does (same devices in the same slots, wired the same way), then puts the saved
-//! state into it instead of loading a kernel, in the order KVM needs (see
-//! [`crate::arch::x86_64::persist`]).
+//! state into it instead of loading a kernel, in the order KVM needs (see the architecture's
+//! `persist` module: `crate::arch::x86_64::persist`; on aarch64 `crate::arch::aarch64::persist`
+//! and `crate::arch::aarch64::gic_persist`).
 //!
 //! What does not survive a snapshot: host-side vsock connections (the guest gets a transport
 //! reset and its connected sockets are closed; listeners stay), an open virtio-fs session (a VM
@@ -87,13 +88,21 @@ pub use crate::arch::x86_64::persist::VcpuState;
 #[cfg(target_arch = "x86_64")]
 pub use crate::arch::x86_64::persist::VmState;
 
-/// One vCPU's saved state: none on this architecture yet (no value exists).
-#[cfg(not(target_arch = "x86_64"))]
+/// The VM-level saved state (aarch64: the GICv3, see
+/// [`crate::arch::aarch64::gic_persist::GicState`]).
+#[cfg(target_arch = "aarch64")]
+pub use crate::arch::aarch64::gic_persist::GicState as VmState;
+/// One vCPU's saved state (aarch64: see [`crate::arch::aarch64::persist::VcpuState`]).
+#[cfg(target_arch = "aarch64")]
+pub use crate::arch::aarch64::persist::VcpuState;
+
+/// One vCPU's saved state: none on this architecture (no value exists).
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum VcpuState {}
 
-/// The VM-level saved state: none on this architecture yet (no value exists).
-#[cfg(not(target_arch = "x86_64"))]
+/// The VM-level saved state: none on this architecture (no value exists).
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum VmState {}
 
@@ -124,11 +133,21 @@ pub(crate) fn save_vcpu(fd: &kvm_ioctls::VcpuFd, msrs: &[u32]) -> Result<VcpuSta
     crate::arch::x86_64::persist::save_vcpu(fd, msrs).map_err(|e| e.to_string())
 }
 
-/// Saves one vCPU's state: not supported on this architecture yet.
+/// Saves one vCPU's state (aarch64: no MSRs; every register KVM lists); called on the vCPU's
+/// own thread while it is paused.
+///
+/// # Errors
+/// The architecture's error, as text.
+#[cfg(target_arch = "aarch64")]
+pub(crate) fn save_vcpu(fd: &kvm_ioctls::VcpuFd, _msrs: &[u32]) -> Result<VcpuState, String> {
+    crate::arch::aarch64::persist::save_vcpu(fd).map_err(|e| e.to_string())
+}
+
+/// Saves one vCPU's state: not supported on this architecture.
 ///
 /// # Errors
 /// Always.
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 pub(crate) fn save_vcpu(_fd: &kvm_ioctls::VcpuFd, _msrs: &[u32]) -> Result<VcpuState, String> {
     Err(Error::Unsupported.to_string())
 }

@@ -75,11 +75,12 @@ pub fn restore_with_kvm(config: &RestoreConfig, kvm_path: &Path) -> Result<Vmm, 
         )));
     }
     let vm = Vm::new(&kvm, &mem).map_err(|e| build_err(e.into()))?;
-    restore_vm_state(&vm, &snapshot)?;
+    restore_vm_state_early(&vm, &snapshot)?;
     timeline.vm_created = Some(Instant::now());
     let mut parts = VmParts::new(&vm_config, kvm, vm, mem, timeline).map_err(build_err)?;
     restore_devices(&parts, &snapshot)?;
     restore_vcpus(&parts, &snapshot)?;
+    restore_vm_state_late(&parts.vm, &snapshot)?;
     parts.timeline.payload_loaded = Some(Instant::now());
     let vmm = parts.finish(true).map_err(build_err)?;
     vmm.persist
@@ -203,20 +204,61 @@ fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
     Ok(())
 }
 
-#[cfg(not(target_arch = "x86_64"))]
+/// aarch64: the vCPU count fits this host's KVM, and the saved GIC state has the layout this
+/// VMM writes (checked before anything is built). Whether this host's CPU can run the saved
+/// vCPUs shows when KVM refuses one of their ID registers on restore.
+#[cfg(target_arch = "aarch64")]
+fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
+    if usize::from(snapshot.config.vcpus) > kvm.max_vcpus() {
+        return Err(Error::Mismatch(format!(
+            "the snapshot has {} vCPUs; this host's KVM allows {}",
+            snapshot.config.vcpus,
+            kvm.max_vcpus()
+        )));
+    }
+    arch::aarch64::gic_persist::check_layout(&snapshot.vm, snapshot.vcpus.len())
+        .map_err(|e| Error::Mismatch(e.to_string()))?;
+    for (id, vcpu) in snapshot.vcpus.iter().enumerate() {
+        arch::aarch64::persist::check_sizes(&vcpu.regs)
+            .map_err(|e| Error::Mismatch(format!("vCPU {id}: {e}")))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn check_host(_kvm: &KvmContext, _snapshot: &VmSnapshot) -> Result<(), Error> {
     Err(Error::Unsupported)
 }
 
+/// The VM-level state KVM needs before the vCPUs exist (x86_64: PIT, clock, PICs, IOAPIC).
 #[cfg(target_arch = "x86_64")]
-fn restore_vm_state(vm: &Vm, snapshot: &VmSnapshot) -> Result<(), Error> {
+fn restore_vm_state_early(vm: &Vm, snapshot: &VmSnapshot) -> Result<(), Error> {
     arch::x86_64::persist::restore_vm(vm.fd(), &snapshot.vm)
         .map_err(|e| Error::VmState(e.to_string()))
 }
 
+/// Nothing before the vCPUs on aarch64: the GIC is restored after them.
 #[cfg(not(target_arch = "x86_64"))]
-fn restore_vm_state(_vm: &Vm, _snapshot: &VmSnapshot) -> Result<(), Error> {
-    Err(Error::Unsupported)
+fn restore_vm_state_early(_vm: &Vm, _snapshot: &VmSnapshot) -> Result<(), Error> {
+    Ok(())
+}
+
+/// The VM-level state restored after the vCPUs (aarch64: the GICv3, whose per-vCPU registers
+/// are addressed by the MPIDRs the restored vCPUs have).
+#[cfg(target_arch = "aarch64")]
+fn restore_vm_state_late(vm: &Vm, snapshot: &VmSnapshot) -> Result<(), Error> {
+    use arch::aarch64::gic_persist::{restore_gic, Error as GicError};
+    let gic = vm
+        .irqchip()
+        .ok_or_else(|| Error::VmState(GicError::NoDevice.to_string()))?;
+    let mpidrs: Vec<u64> = snapshot.vcpus.iter().map(|v| v.mpidr).collect();
+    restore_gic(gic, &mpidrs, &snapshot.vm).map_err(|e| Error::VmState(e.to_string()))
+}
+
+/// Nothing after the vCPUs on x86_64.
+#[cfg(not(target_arch = "aarch64"))]
+fn restore_vm_state_late(_vm: &Vm, _snapshot: &VmSnapshot) -> Result<(), Error> {
+    Ok(())
 }
 
 /// Puts each transport's saved registers and queues back, in registration order.
@@ -244,7 +286,16 @@ fn restore_vcpus(parts: &VmParts, snapshot: &VmSnapshot) -> Result<(), Error> {
     Ok(())
 }
 
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(target_arch = "aarch64")]
+fn restore_vcpus(parts: &VmParts, snapshot: &VmSnapshot) -> Result<(), Error> {
+    for (id, (fd, state)) in parts.vcpu_fds().iter().zip(&snapshot.vcpus).enumerate() {
+        arch::aarch64::persist::restore_vcpu(parts.vm.fd(), fd, state)
+            .map_err(|e| Error::Vcpu(format!("vCPU {id}: {e}")))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn restore_vcpus(_parts: &VmParts, _snapshot: &VmSnapshot) -> Result<(), Error> {
     Err(Error::Unsupported)
 }

@@ -109,7 +109,9 @@ fn vcpu_err(e: crate::vstate::vcpu::Error) -> Error {
 pub(crate) fn save(sources: &SaveSources<'_>, dir: &Path) -> Result<(), Error> {
     let devices = save_devices(sources.transports)?;
     let vcpus = save_vcpus(sources.vcpus, sources.msrs)?;
-    let vm = save_vm(sources.vm)?;
+    // The VM after the vCPUs: on aarch64 the GIC's per-vCPU registers are named by the MPIDRs
+    // the vCPUs' states hold, and the GIC flushes its pending tables to guest RAM, saved next.
+    let vm = save_vm(sources.vm, &vcpus)?;
     let legacy = sources.legacy.save();
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -173,11 +175,21 @@ fn save_vcpus(vcpus: &[VcpuHandle], msrs: &Arc<Vec<u32>>) -> Result<Vec<VcpuStat
 }
 
 #[cfg(target_arch = "x86_64")]
-fn save_vm(vm: &Vm) -> Result<super::VmState, Error> {
+fn save_vm(vm: &Vm, _vcpus: &[VcpuState]) -> Result<super::VmState, Error> {
     crate::arch::x86_64::persist::save_vm(vm.fd()).map_err(|e| Error::VmState(e.to_string()))
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-fn save_vm(_vm: &Vm) -> Result<super::VmState, Error> {
+#[cfg(target_arch = "aarch64")]
+fn save_vm(vm: &Vm, vcpus: &[VcpuState]) -> Result<super::VmState, Error> {
+    use crate::arch::aarch64::gic_persist::{self, save_gic};
+    let gic = vm
+        .irqchip()
+        .ok_or_else(|| Error::VmState(gic_persist::Error::NoDevice.to_string()))?;
+    let mpidrs: Vec<u64> = vcpus.iter().map(|v| v.mpidr).collect();
+    save_gic(gic, &mpidrs).map_err(|e| Error::VmState(e.to_string()))
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+fn save_vm(_vm: &Vm, _vcpus: &[VcpuState]) -> Result<super::VmState, Error> {
     Err(Error::Unsupported)
 }

@@ -1,7 +1,7 @@
 //! The KVM VM: creation, architecture-level set-up (irqchip, PIT), guest memory registration,
 //! irqfd and ioeventfd wiring.
 
-use kvm_ioctls::{IoEventAddress, VmFd};
+use kvm_ioctls::{DeviceFd, IoEventAddress, VmFd};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -47,6 +47,8 @@ pub enum Error {
 #[derive(Debug)]
 pub struct Vm {
     fd: VmFd,
+    /// The in-kernel interrupt controller's device, where it is one (aarch64: the vGICv3).
+    irqchip: Option<DeviceFd>,
 }
 
 impl Vm {
@@ -61,12 +63,22 @@ impl Vm {
         let fd = kvm.kvm().create_vm().map_err(Error::Create)?;
         arch_setup(&fd)?;
         memory::register_guest_memory(&fd, mem)?;
-        Ok(Vm { fd })
+        Ok(Vm { fd, irqchip: None })
     }
 
     /// The VM file descriptor.
     pub fn fd(&self) -> &VmFd {
         &self.fd
+    }
+
+    /// Keeps the interrupt controller's device (`crate::arch::setup_irqchip`), for snapshots.
+    pub fn set_irqchip(&mut self, device: Option<DeviceFd>) {
+        self.irqchip = device;
+    }
+
+    /// The interrupt controller's device, where the architecture has one (aarch64: the vGICv3).
+    pub fn irqchip(&self) -> Option<&DeviceFd> {
+        self.irqchip.as_ref()
     }
 
     /// Makes every signal of `evt` inject interrupt `gsi` into the guest (KVM_IRQFD).

@@ -68,14 +68,13 @@ pub fn setup_boot(mem: &GuestMemoryMmap, config: &BootConfig<'_>) -> Result<Boot
     })
 }
 
-/// Creates and initialises the in-kernel GICv3 for `vcpus`, all of which must exist.
+/// Creates and initialises the in-kernel GICv3 for `vcpus`, all of which must exist; returns its
+/// device, which a snapshot reads the GIC's state through.
 ///
 /// # Errors
 /// [`Error::Gic`].
-pub fn setup_irqchip(vm: &VmFd, vcpus: &[VcpuFd]) -> Result<(), Error> {
-    // The VM keeps the GIC when its device fd closes.
-    gic::create_gic(vm, vcpus.len() as u8)?;
-    Ok(())
+pub fn setup_irqchip(vm: &VmFd, vcpus: &[VcpuFd]) -> Result<Option<kvm_ioctls::DeviceFd>, Error> {
+    Ok(Some(gic::create_gic(vm, vcpus.len() as u8)?))
 }
 
 /// Initialises every vCPU (vCPU `n` is `vcpus[n]`; `KVM_ARM_VCPU_INIT`) and sets its boot

@@ -13,9 +13,11 @@
 
 pub mod fdt;
 pub mod gic;
+pub mod gic_persist;
 pub mod image;
 pub mod layout;
 pub mod memory;
+pub mod persist;
 pub mod regs;
 
 #[cfg(target_arch = "aarch64")]

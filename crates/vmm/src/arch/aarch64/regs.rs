@@ -65,6 +65,22 @@ pub enum Error {
     },
 }
 
+/// `KVM_ARM_VCPU_POWER_OFF`: feature bit of a vCPU that starts powered off (arm64 `asm/kvm.h`).
+pub const FEATURE_POWER_OFF: u32 = 0;
+/// `KVM_ARM_VCPU_PSCI_0_2`: feature bit of PSCI 0.2 for the vCPU (arm64 `asm/kvm.h`).
+const FEATURE_PSCI_0_2: u32 = 2;
+
+/// The `kvm_vcpu_init.features` of vCPU `id`: PSCI 0.2, and (all but vCPU 0) powered off until
+/// the guest's PSCI `CPU_ON`.
+pub const fn vcpu_features(id: u8) -> [u32; 7] {
+    let mut features = [0u32; 7];
+    features[0] = 1 << FEATURE_PSCI_0_2;
+    if id > 0 {
+        features[0] |= 1 << FEATURE_POWER_OFF;
+    }
+    features
+}
+
 /// `KVM_ARM_VCPU_INIT` of vCPU `id` with the host's preferred target, PSCI 0.2, and (all but
 /// vCPU 0) powered off until the guest's PSCI `CPU_ON`.
 ///
@@ -72,16 +88,13 @@ pub enum Error {
 /// [`Error::Kvm`].
 #[cfg(target_arch = "aarch64")]
 pub fn init_vcpu(vm: &kvm_ioctls::VmFd, vcpu: &kvm_ioctls::VcpuFd, id: u8) -> Result<(), Error> {
-    use kvm_bindings::{kvm_vcpu_init, KVM_ARM_VCPU_POWER_OFF, KVM_ARM_VCPU_PSCI_0_2};
+    use kvm_bindings::kvm_vcpu_init;
 
     let step = |what| move |source| Error::Kvm { id, what, source };
     let mut init = kvm_vcpu_init::default();
     vm.get_preferred_target(&mut init)
         .map_err(step("KVM_ARM_PREFERRED_TARGET"))?;
-    init.features[0] |= 1 << KVM_ARM_VCPU_PSCI_0_2;
-    if id > 0 {
-        init.features[0] |= 1 << KVM_ARM_VCPU_POWER_OFF;
-    }
+    init.features = vcpu_features(id);
     vcpu.vcpu_init(&init).map_err(step("KVM_ARM_VCPU_INIT"))
 }
 
@@ -116,6 +129,8 @@ const _: () = assert!(
     KVM_REG_ARM64 == kvm_bindings::KVM_REG_ARM64
         && KVM_REG_SIZE_U64 == kvm_bindings::KVM_REG_SIZE_U64
         && KVM_REG_ARM_CORE == kvm_bindings::KVM_REG_ARM_CORE as u64
+        && FEATURE_POWER_OFF == kvm_bindings::KVM_ARM_VCPU_POWER_OFF
+        && FEATURE_PSCI_0_2 == kvm_bindings::KVM_ARM_VCPU_PSCI_0_2
         && PC_OFFSET == std::mem::offset_of!(kvm_bindings::user_pt_regs, pc) as u64
         && PSTATE_OFFSET == std::mem::offset_of!(kvm_bindings::user_pt_regs, pstate) as u64
 );

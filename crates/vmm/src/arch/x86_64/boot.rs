@@ -37,12 +37,13 @@ pub fn setup_boot(mem: &GuestMemoryMmap, config: &BootConfig<'_>) -> Result<Boot
 }
 
 /// Nothing to do: on x86_64 the in-kernel irqchip (IOAPIC, PIC, LAPICs) is made with the VM,
-/// before any vCPU, as KVM requires.
+/// before any vCPU, as KVM requires; there is no device to return (its state is read through
+/// the VM, `KVM_GET_IRQCHIP`).
 ///
 /// # Errors
 /// None.
-pub fn setup_irqchip(_vm: &VmFd, _vcpus: &[VcpuFd]) -> Result<(), Error> {
-    Ok(())
+pub fn setup_irqchip(_vm: &VmFd, _vcpus: &[VcpuFd]) -> Result<Option<kvm_ioctls::DeviceFd>, Error> {
+    Ok(None)
 }
 
 /// Configures every vCPU (vCPU `n` is `vcpus[n]`) with the CPUID KVM supports; see
