@@ -18,6 +18,11 @@ const FILL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A daemon whose state dir has template `base` (the saved VM of a paused 64 MiB sandbox),
 /// restarted with `config` (TOML) as its configuration file.
 fn daemon_with_pool(config: &str) -> TestDaemon {
+    daemon_with_pool_and(config, |_| {})
+}
+
+/// [`daemon_with_pool`], with `change` done to the template's directory before the restart.
+fn daemon_with_pool_and(config: &str, change: impl FnOnce(&Path)) -> TestDaemon {
     let mut daemon = TestDaemon::start();
     let client = daemon.client();
     let rt = rt();
@@ -30,6 +35,7 @@ fn daemon_with_pool(config: &str) -> TestDaemon {
     }
     rt.block_on(client.delete(&sb.id)).unwrap();
     assert!(daemon.terminate(), "{}", daemon.log());
+    change(&template);
     let file = write_config(&daemon, config);
     daemon.spawn(&["--config", file.to_str().unwrap()]);
     daemon
@@ -323,4 +329,41 @@ fn a_daemon_killed_while_the_pool_refills_leaves_no_clone_behind_and_refills_aft
         .filter_map(|p| p.file_name().map(ToOwned::to_owned))
         .collect();
     assert_eq!(cgroups.len(), 4, "one cgroup per clone: {cgroups:?}");
+}
+
+#[test]
+fn failed_refills_are_logged_and_retried_with_a_growing_pause_not_in_a_loop() {
+    // Arrange: the template's manifest reads, but its VM state does not restore.
+    let started = Instant::now();
+    let daemon = daemon_with_pool_and("[pool]\ntemplate = \"base\"\nsize = 2\n", |dir| {
+        std::fs::write(dir.join("state"), b"not a VM state").unwrap();
+    });
+    let client = daemon.client();
+    let rt = rt();
+    let failures = |log: &str| {
+        log.matches("pool: restoring a clone of base failed")
+            .count()
+    };
+
+    // Act
+    let three = wait_until(Duration::from_secs(30), || failures(&daemon.log()) >= 3);
+    let elapsed = started.elapsed();
+    let status = pool(&rt, &client);
+    let booted = rt.block_on(client.create(&spec_with_labels(&[])));
+
+    // Assert
+    assert!(three, "fewer than 3 attempts in 30 s\n{}", daemon.log());
+    // Attempts at 0 s, after 1 s and after 2 s more: a hot loop would fail 3 times at once.
+    assert!(
+        elapsed >= Duration::from_secs(3),
+        "3 failures after {elapsed:?}"
+    );
+    assert!(failures(&daemon.log()) <= 4, "{}", daemon.log());
+    assert_eq!(status.ready, 0);
+    assert!(booted.is_ok(), "the daemon still serves: {booted:?}");
+    assert_eq!(
+        processes_under(&daemon.vms_dir()),
+        vec![booted.unwrap().vmm_pid.unwrap()],
+        "no failed clone's VMM is left"
+    );
 }

@@ -186,9 +186,14 @@ impl Manager {
                         "pool: restoring a clone of {} failed (next attempt in {backoff:?}): {e}",
                         pool.template.name
                     );
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        () = pool.wake.notified() => {}
+                    // Only a shutdown cuts the pause short (hand-outs and deletes do not, or a
+                    // busy daemon would retry a broken template at its request rate).
+                    let until = tokio::time::Instant::now() + backoff;
+                    while !self.is_shutting_down() && tokio::time::Instant::now() < until {
+                        tokio::select! {
+                            () = tokio::time::sleep_until(until) => {}
+                            () = pool.wake.notified() => {}
+                        }
                     }
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
