@@ -367,3 +367,29 @@ fn failed_refills_are_logged_and_retried_with_a_growing_pause_not_in_a_loop() {
         "no failed clone's VMM is left"
     );
 }
+
+#[test]
+fn an_idle_clone_whose_vmm_dies_is_replaced() {
+    // Arrange
+    let daemon = daemon_with_pool("[pool]\ntemplate = \"base\"\nsize = 2\n");
+    wait_for_ready(&daemon, 2);
+    let clones = processes_under(&daemon.vms_dir());
+    let victim = clones[0];
+
+    // Act
+    // SAFETY: kill(2) on a fake VMM process of this test's daemon.
+    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+    let replaced = wait_until(FILL_TIMEOUT, || {
+        let now = processes_under(&daemon.vms_dir());
+        now.len() == 2 && !now.contains(&victim)
+    });
+    wait_for_ready(&daemon, 2);
+
+    // Assert
+    assert!(
+        replaced,
+        "the dead clone was not replaced\n{}",
+        daemon.log()
+    );
+    assert_eq!(daemon.records().len(), 2, "the dead clone's record is gone");
+}

@@ -176,9 +176,17 @@ impl Manager {
                     backoff = FIRST_BACKOFF;
                     tracing::info!(id = %member.record.id, "pool: a clone of {} is ready",
                         pool.template.name);
-                    let mut state = pool.lock();
-                    state.restoring -= 1;
-                    state.ready.push_back(member);
+                    let pidfd = member.sandbox.vmm_pidfd();
+                    let id = member.record.id.clone();
+                    {
+                        let mut state = pool.lock();
+                        state.restoring -= 1;
+                        state.ready.push_back(member);
+                    }
+                    match pidfd {
+                        Ok(pidfd) => self.watch_clone(id, pidfd),
+                        Err(e) => tracing::warn!(id = %id, "pool: cannot watch the clone: {e}"),
+                    }
                 }
                 Err(e) => {
                     pool.lock().restoring -= 1;
@@ -199,6 +207,44 @@ impl Manager {
                 }
             }
         }
+    }
+
+    /// Watches an idle clone's VMM: when it ends while the clone is still in the pool, the
+    /// clone is destroyed and the pool refilled. (Once handed out, the sandbox's own watcher
+    /// takes over and this one finds nothing to do.)
+    fn watch_clone(&self, id: String, pidfd: std::os::fd::OwnedFd) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            // SAFETY: the AsyncFd owns the OwnedFd, which stays open on the same pidfd until the
+            // AsyncFd is dropped; OwnedFd::as_raw_fd always returns that descriptor.
+            let registered = unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    pidfd,
+                    tokio::io::Interest::READABLE,
+                )
+            };
+            let fd = match registered {
+                Ok(fd) => fd,
+                Err(e) => {
+                    tracing::warn!(id = %id, "pool: cannot watch the clone: {e}");
+                    return;
+                }
+            };
+            let _ = fd.readable().await;
+            let Some(pool) = &this.inner.pool else {
+                return;
+            };
+            let member = {
+                let mut state = pool.lock();
+                let at = state.ready.iter().position(|m| m.record.id == id);
+                at.and_then(|i| state.ready.remove(i))
+            };
+            if let Some(member) = member {
+                tracing::warn!(id = %id, "pool: an idle clone's VM ended; replacing it");
+                this.destroy_clone(member).await;
+                pool.wake();
+            }
+        });
     }
 
     /// Counts one more clone being restored when the pool is short and the sandbox limit
