@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
-use common::real::{real_daemon, small, vm_logs};
+use common::real::{real_config, real_daemon, real_daemon_with_file, small, vm_logs};
 use common::{cgroup_file, rt, wait_until, TestDaemon};
 
 /// Sandboxes booted at once by the concurrency test (the acceptance number).
@@ -417,6 +417,70 @@ vm_test!(
         );
         let new_vmm = resumed.vmm_pid.unwrap();
         assert_eq!(daemon.leftovers(&[old_vmm, new_vmm]), Vec::<String>::new());
+    }
+);
+
+vm_test!(
+    /// A warm pool of one real clone: the create is a hand-out of the clone restored before it
+    /// (the template's file is there, the request's hostname and environment apply), the pool
+    /// refills, and shutdown leaves nothing.
+    fn a_real_pooled_clone_is_handed_out_with_the_templates_files_and_its_own_hostname() {
+        // Arrange: template `base` from a sandbox that wrote /tmp/x, then a daemon keeping a
+        // clone of it.
+        let (mut daemon, config) = real_daemon_with_file("", &[]);
+        let client = daemon.client();
+        let rt = rt();
+        let sb = rt.block_on(client.create(&small(64))).unwrap();
+        sh(&daemon, &sb.id, "echo 42 > /tmp/x");
+        rt.block_on(client.pause(&sb.id)).unwrap();
+        let template = daemon.state_dir.join("templates/base");
+        std::fs::create_dir_all(&template).unwrap();
+        for file in common::list(&daemon.state_dir.join("paused").join(&sb.id)) {
+            std::fs::copy(&file, template.join(file.file_name().unwrap())).unwrap();
+        }
+        rt.block_on(client.delete(&sb.id)).unwrap();
+        assert!(daemon.terminate(), "{}", daemon.log());
+        let pool_config = real_config("[pool]\ntemplate = \"base\"\nsize = 1\n");
+        std::fs::write(&config, pool_config).unwrap();
+        daemon.spawn(&[]);
+        let pool_ready = |ready: usize| {
+            let health = rt.block_on(client.health()).unwrap();
+            health
+                .pool
+                .is_some_and(|p| p.ready == ready && p.restoring == 0)
+        };
+        let filled = wait_until(Duration::from_secs(300), || pool_ready(1));
+        assert!(filled, "{}\n{}", vm_logs(&daemon.vms_dir()), daemon.log());
+        let mut request = bulkhead_client::CreateSandbox {
+            template: Some("base".into()),
+            hostname: Some("pooled-1".into()),
+            ..bulkhead_client::CreateSandbox::default()
+        };
+        request.env.insert("GREETING".into(), "hi".into());
+
+        // Act
+        let started = Instant::now();
+        let pooled = rt.block_on(client.create(&request)).unwrap();
+        let create_time = started.elapsed();
+        let seen = sh(&daemon, &pooled.id, "cat /tmp/x; hostname; echo $GREETING");
+        let refilled = wait_until(Duration::from_secs(300), || pool_ready(1));
+        rt.block_on(client.delete(&pooled.id)).unwrap();
+        let vmms = vec![pooled.vmm_pid.unwrap()];
+        let stopped = daemon.terminate();
+
+        // Assert
+        assert!(
+            daemon
+                .log()
+                .lines()
+                .any(|l| l.contains(&pooled.id) && l.contains("(from the pool)")),
+            "not a hand-out (create took {create_time:?})\n{}",
+            daemon.log()
+        );
+        assert_eq!(seen, "42\npooled-1\nhi\n");
+        assert!(refilled, "{}", daemon.log());
+        assert!(stopped, "{}", daemon.log());
+        assert_eq!(daemon.leftovers(&vmms), Vec::<String>::new());
     }
 );
 

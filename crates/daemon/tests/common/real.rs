@@ -27,15 +27,27 @@ pub fn ensure_cgroup2() {
 /// A daemon with real VMs, a boot timeout for slow nested guests, and room for many sandboxes.
 /// `config` is more TOML for its configuration file.
 pub fn real_daemon(config: &str, extra: &[&str]) -> TestDaemon {
+    real_daemon_with_file(config, extra).0
+}
+
+/// [`real_daemon`], and its configuration file (rewrite it with [`real_config`] and restart the
+/// daemon to change the configuration).
+pub fn real_daemon_with_file(config: &str, extra: &[&str]) -> (TestDaemon, PathBuf) {
     ensure_cgroup2();
     let a = artifacts();
     let file = tempfile::NamedTempFile::new().expect("config file");
-    let text = format!("boot_timeout_s = 300\nmax_sandboxes = 64\n{config}");
-    std::fs::write(file.path(), text).expect("write config");
     let (_, path): (_, PathBuf) = file.keep().expect("keep config");
+    std::fs::write(&path, real_config(config)).expect("write config");
     let mut args = vec!["--config", path.to_str().expect("UTF-8 temp path")];
     args.extend_from_slice(extra);
-    TestDaemon::start_real(&a.vmm, &a.vmlinux, &a.agent_initrd, &args)
+    let daemon = TestDaemon::start_real(&a.vmm, &a.vmlinux, &a.agent_initrd, &args);
+    (daemon, path)
+}
+
+/// The configuration of [`real_daemon`]: a boot timeout for slow nested guests, room for many
+/// sandboxes, and `config` (top-level keys first, then tables).
+pub fn real_config(config: &str) -> String {
+    format!("boot_timeout_s = 300\nmax_sandboxes = 64\n{config}")
 }
 
 /// A 1-vCPU sandbox with `memory_mib` of guest RAM.
