@@ -495,3 +495,128 @@ fn prepare(
         .restored(&request)
         .map_err(|e| format!("its agent did not take its identity: {e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use bulkhead_client::types::{DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
+    use bulkhead_sandbox::cgroup::Version;
+
+    use super::*;
+
+    fn clone_record() -> Record {
+        Record {
+            schema: RECORD_SCHEMA,
+            id: "0123456789ab".into(),
+            spec: plan::spec_of(&CreateSandbox::default()),
+            created_at_ms: 1,
+            expires_at_ms: None,
+            phase: Phase::Running,
+            runtime_parent: "/run/bulkhead/vms/0123456789ab".into(),
+            cgroup: Some(CgroupSpec {
+                version: Version::V2,
+                path: "bulkhead/vm-0123456789ab".into(),
+            }),
+            limits: Limits {
+                memory_bytes: 128 << 20,
+                cpu_quota: None,
+                pids_max: 64,
+                cgroup: Some("bulkhead/vm-0123456789ab".into()),
+            },
+            sandbox: None,
+            failure: None,
+            template: Some("base".into()),
+            pool: true,
+        }
+    }
+
+    #[test]
+    fn a_handed_out_clone_is_recorded_as_a_sandbox_with_the_requests_settings() {
+        // Arrange
+        let clone = clone_record();
+        let request = CreateSandbox {
+            labels: [("team".to_owned(), "a".to_owned())].into(),
+            ..CreateSandbox::default()
+        };
+        let spec = plan::spec_of(&request);
+        let limits = VmLimits {
+            memory_bytes: 128 << 20,
+            cpu_quota: Some(0.5),
+            pids_max: 40,
+        };
+
+        // Act
+        let record = handed_out(&clone, &spec, &limits, Some(60));
+
+        // Assert
+        assert!(!record.pool);
+        assert_eq!(record.id, clone.id);
+        assert_eq!(record.cgroup, clone.cgroup);
+        assert_eq!(record.runtime_parent, clone.runtime_parent);
+        assert_eq!(record.template.as_deref(), Some("base"));
+        assert_eq!(
+            record.spec.labels.get("team").map(String::as_str),
+            Some("a")
+        );
+        assert_eq!(
+            (record.limits.cpu_quota, record.limits.pids_max),
+            (Some(0.5), 40)
+        );
+        assert_eq!(record.limits.cgroup, clone.limits.cgroup);
+        assert_eq!(
+            record.expires_at_ms,
+            Some(record.created_at_ms + 60_000),
+            "the TTL counts from the hand-out"
+        );
+    }
+
+    #[test]
+    fn only_template_creates_without_shares_images_or_networks_are_served() {
+        // Arrange
+        let pool = Pool {
+            template: Template {
+                name: "base".into(),
+                dir: "/nonexistent".into(),
+                manifest: bulkhead_sandbox::snapshot::Manifest {
+                    bulkhead_version: "0".into(),
+                    created_unix_ms: 0,
+                    memory_mib: DEFAULT_MEMORY_MIB,
+                    vcpus: DEFAULT_VCPUS,
+                    ready: bulkhead_protocol::Ready {
+                        version: bulkhead_protocol::PROTOCOL_VERSION,
+                        agent_version: "0".into(),
+                        init_started: Default::default(),
+                        listening: Default::default(),
+                    },
+                },
+            },
+            size: 1,
+            state: Mutex::new(PoolState::default()),
+            wake: tokio::sync::Notify::new(),
+            refiller: Mutex::new(None),
+        };
+        let base = clone_request("base");
+
+        // Act / Assert
+        assert!(pool.serves(&base));
+        assert!(!pool.serves(&clone_request("other")));
+        assert!(!pool.serves(&CreateSandbox::default()));
+        let with = |change: fn(&mut CreateSandbox)| {
+            let mut request = base.clone();
+            change(&mut request);
+            pool.serves(&request)
+        };
+        assert!(with(|r| r.hostname = Some("h".into())));
+        assert!(with(|r| r.pids_max = Some(40)));
+        assert!(!with(|r| r.image = Some("debian".into())));
+        assert!(!with(|r| r.workspace =
+            Some(bulkhead_client::WorkspaceSpec {
+                path: "/w".into(),
+                mode: bulkhead_client::WorkspaceMode::Clone,
+            })));
+        assert!(!with(|r| r.mounts = vec![bulkhead_client::MountSpec {
+            host: "/d".into(),
+            guest: "/d".into(),
+            ro: true,
+        }]));
+    }
+}
