@@ -113,6 +113,9 @@ fn the_pool_fills_hands_out_a_running_clone_with_the_requests_settings_and_refil
     let rt = rt();
     wait_for_ready(&daemon, 2);
     let clones = processes_under(&daemon.vms_dir());
+    let (_, metrics) = rt
+        .block_on(client.raw(hyper::Method::GET, "/metrics", None, &[]))
+        .unwrap();
     let mut request = from_template();
     request.labels.insert("team".into(), "a".into());
     request.env.insert("GREETING".into(), "hello".into());
@@ -132,6 +135,11 @@ fn the_pool_fills_hands_out_a_running_clone_with_the_requests_settings_and_refil
 
     // Assert
     assert_eq!(clones.len(), 2, "two idle clones run: {clones:?}");
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(
+        metrics.contains("bulkhead_pool_clones{state=\"ready\"} 2"),
+        "{metrics}"
+    );
     let vmm = sb.vmm_pid.unwrap();
     assert!(
         clones.contains(&vmm),

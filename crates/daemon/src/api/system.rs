@@ -26,11 +26,15 @@ pub async fn healthz(State(manager): State<Manager>) -> Json<Health> {
     })
 }
 
-/// Prometheus metrics: sandboxes by state, create latency, execs, VM exits by reason.
+/// Prometheus metrics: sandboxes by state, create latency, execs, VM exits by reason, the warm
+/// pool's clones.
 #[utoipa::path(get, path = "/metrics", tag = "system",
     responses((status = 200, description = "OpenMetrics text exposition", body = String,
         content_type = "application/openmetrics-text")))]
 pub async fn metrics(State(manager): State<Manager>) -> impl IntoResponse {
+    if let Some(pool) = manager.pool_status() {
+        manager.metrics().pool(pool.ready, pool.restoring);
+    }
     let text = manager.metrics().render(&manager.counts());
     ([(header::CONTENT_TYPE, METRICS_TYPE)], text)
 }

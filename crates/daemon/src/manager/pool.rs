@@ -190,6 +190,7 @@ impl Manager {
                 }
                 Err(e) => {
                     pool.lock().restoring -= 1;
+                    self.inner.metrics.pool_restore_failed();
                     tracing::error!(
                         "pool: restoring a clone of {} failed (next attempt in {backoff:?}): {e}",
                         pool.template.name
