@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
-use common::real::{real_config, real_daemon, real_daemon_with_file, small, vm_logs};
+use common::real::{pool_ready, real_daemon, real_pool_daemon, small, vm_logs};
 use common::{cgroup_file, rt, wait_until, TestDaemon};
 
 /// Sandboxes booted at once by the concurrency test (the acceptance number).
@@ -425,31 +425,11 @@ vm_test!(
     /// (the template's file is there, the request's hostname and environment apply), the pool
     /// refills, and shutdown leaves nothing.
     fn a_real_pooled_clone_is_handed_out_with_the_templates_files_and_its_own_hostname() {
-        // Arrange: template `base` from a sandbox that wrote /tmp/x, then a daemon keeping a
-        // clone of it.
-        let (mut daemon, config) = real_daemon_with_file("", &[]);
+        // Arrange: template `base` (its guest wrote /tmp/x), a daemon keeping a clone of it.
+        let (mut daemon, _) = real_pool_daemon(1);
         let client = daemon.client();
         let rt = rt();
-        let sb = rt.block_on(client.create(&small(64))).unwrap();
-        sh(&daemon, &sb.id, "echo 42 > /tmp/x");
-        rt.block_on(client.pause(&sb.id)).unwrap();
-        let template = daemon.state_dir.join("templates/base");
-        std::fs::create_dir_all(&template).unwrap();
-        for file in common::list(&daemon.state_dir.join("paused").join(&sb.id)) {
-            std::fs::copy(&file, template.join(file.file_name().unwrap())).unwrap();
-        }
-        rt.block_on(client.delete(&sb.id)).unwrap();
-        assert!(daemon.terminate(), "{}", daemon.log());
-        let pool_config = real_config("[pool]\ntemplate = \"base\"\nsize = 1\n");
-        std::fs::write(&config, pool_config).unwrap();
-        daemon.spawn(&[]);
-        let pool_ready = |ready: usize| {
-            let health = rt.block_on(client.health()).unwrap();
-            health
-                .pool
-                .is_some_and(|p| p.ready == ready && p.restoring == 0)
-        };
-        let filled = wait_until(Duration::from_secs(300), || pool_ready(1));
+        let filled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
         assert!(filled, "{}\n{}", vm_logs(&daemon.vms_dir()), daemon.log());
         let mut request = bulkhead_client::CreateSandbox {
             template: Some("base".into()),
@@ -463,7 +443,7 @@ vm_test!(
         let pooled = rt.block_on(client.create(&request)).unwrap();
         let create_time = started.elapsed();
         let seen = sh(&daemon, &pooled.id, "cat /tmp/x; hostname; echo $GREETING");
-        let refilled = wait_until(Duration::from_secs(300), || pool_ready(1));
+        let refilled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
         rt.block_on(client.delete(&pooled.id)).unwrap();
         let vmms = vec![pooled.vmm_pid.unwrap()];
         let stopped = daemon.terminate();
@@ -481,6 +461,52 @@ vm_test!(
         assert!(refilled, "{}", daemon.log());
         assert!(stopped, "{}", daemon.log());
         assert_eq!(daemon.leftovers(&vmms), Vec::<String>::new());
+    }
+);
+
+vm_test!(
+    /// The fault test: `kill -9` of the daemon while its pool of real clones refills;
+    /// the restarted daemon leaves no VMM of the old one running and fills the pool again.
+    fn kill_9_while_the_pool_refills_leaves_no_real_vm_and_the_pool_refills() {
+        // Arrange
+        let (mut daemon, _) = real_pool_daemon(3);
+        let client = daemon.client();
+        let rt = rt();
+        let ready = || rt.block_on(client.health()).unwrap().pool.unwrap();
+        let one = wait_until(Duration::from_secs(300), || ready().ready >= 1);
+        assert!(one, "{}\n{}", vm_logs(&daemon.vms_dir()), daemon.log());
+
+        // Act
+        let before = ready();
+        let old = daemon.vm_cgroup_pids();
+        daemon.kill9();
+        daemon.spawn(&[]);
+        let refilled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 3));
+        let new = daemon.vm_cgroup_pids();
+        let records = daemon.records().len();
+        let stopped = daemon.terminate();
+
+        // Assert
+        assert!(
+            before.ready < 3,
+            "killed while the pool refilled: {before:?}"
+        );
+        assert!(!old.is_empty(), "clones ran when the daemon was killed");
+        let orphans: Vec<u32> = old.iter().copied().filter(|p| common::alive(*p)).collect();
+        assert_eq!(
+            orphans,
+            Vec::<u32>::new(),
+            "VMMs of the killed daemon still run"
+        );
+        assert!(refilled, "{}\n{}", vm_logs(&daemon.vms_dir()), daemon.log());
+        assert!(
+            !new.is_empty() && new.iter().all(|p| !old.contains(p)),
+            "{new:?} {old:?}"
+        );
+        assert_eq!(records, 3, "one record per clone");
+        assert!(stopped, "{}", daemon.log());
+        let all: Vec<u32> = old.iter().chain(&new).copied().collect();
+        assert_eq!(daemon.leftovers(&all), Vec::<String>::new());
     }
 );
 
