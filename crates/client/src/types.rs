@@ -429,8 +429,25 @@ pub struct Health {
     pub status: String,
     /// The daemon's version.
     pub version: String,
-    /// Sandboxes it holds, in any state.
+    /// Sandboxes it holds, in any state (idle clones of the warm pool are not sandboxes).
     pub sandboxes: usize,
+    /// The warm pool, when the daemon keeps one (`[pool]` in its configuration).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolStatus>,
+}
+
+/// The daemon's warm pool: idle clones of one template, handed out to creates that name it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolStatus {
+    /// The template the clones are restored from.
+    pub template: String,
+    /// How many idle clones the daemon keeps (`pool.size`).
+    pub size: usize,
+    /// Idle clones ready to be handed out now.
+    pub ready: usize,
+    /// Clones being restored now (0 or 1: the pool refills one at a time).
+    pub restoring: usize,
 }
 
 /// Error details.

@@ -139,6 +139,22 @@ pub struct Config {
     /// egress proxy injects a value into the request headers of the hosts the request names,
     /// in place of a placeholder; the value never enters a VM and no API call returns it.
     pub secrets: BTreeMap<String, SecretSource>,
+    /// The warm pool (`[pool]`): clones of one template kept restored and idle, handed out to
+    /// creates that name it. Default: none.
+    pub pool: Option<PoolConfig>,
+}
+
+/// Most clones a warm pool may keep.
+pub const MAX_POOL_SIZE: usize = 64;
+
+/// `[pool]`: keep `size` clones of template `template` restored and idle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The template's name (`<state_dir>/templates/NAME`); it must exist when the daemon starts.
+    pub template: String,
+    /// How many idle clones to keep: 1 to [`MAX_POOL_SIZE`], at most `max_sandboxes`.
+    pub size: usize,
 }
 
 /// Where the value of a configured secret comes from.
@@ -197,6 +213,7 @@ impl Default for Config {
             max_file_bytes: 1 << 30,
             max_collect_bytes: 16 << 20,
             mount_roots: Vec::new(),
+            pool: None,
         }
     }
 }
@@ -340,6 +357,33 @@ impl Config {
         }
         if self.mount_roots.iter().any(|r| !r.is_absolute()) {
             return invalid("mount_roots must be absolute paths");
+        }
+        if let Some(pool) = &self.pool {
+            self.validate_pool(pool)?;
+        }
+        Ok(())
+    }
+
+    /// The pool's size and template name (that the template exists and is readable is
+    /// checked when the daemon starts, in its state directory).
+    fn validate_pool(&self, pool: &PoolConfig) -> Result<(), ConfigError> {
+        if !(1..=MAX_POOL_SIZE).contains(&pool.size) {
+            return Err(ConfigError::Invalid(format!(
+                "pool.size must be between 1 and {MAX_POOL_SIZE}, not {}",
+                pool.size
+            )));
+        }
+        if pool.size > self.max_sandboxes {
+            return Err(ConfigError::Invalid(format!(
+                "pool.size {} exceeds max_sandboxes {} (pool clones count against it)",
+                pool.size, self.max_sandboxes
+            )));
+        }
+        if !crate::manager::templates::is_valid_name(&pool.template) {
+            return Err(ConfigError::Invalid(format!(
+                "pool.template: invalid template name {:?}",
+                pool.template
+            )));
         }
         Ok(())
     }

@@ -6,6 +6,8 @@
 //! | `bulkhead_sandbox_create_seconds` | histogram | — (successful creates: request to agent ready) |
 //! | `bulkhead_sandbox_create_failures_total` | counter | — |
 //! | `bulkhead_execs_total` | counter | `result` (started, failed) |
+//! | `bulkhead_pool_clones` | gauge | `state` (ready, restoring): the warm pool's clones (with `[pool]`) |
+//! | `bulkhead_pool_restore_failures_total` | counter | — (failed restores of pool clones) |
 //! | `bulkhead_vm_exits_total` | counter | `reason` (destroyed, guest_shutdown, stopped, vmm_error, guest_crash, seccomp_violation, killed, vanished; see `bulkhead_sandbox::VmEnd::reason`) |
 //!
 //! VM exit reasons come from the VMM's exit report (`bulkhead-vmm --exit-file`, out of the
@@ -47,6 +49,8 @@ pub struct Metrics {
     create_failures: Counter,
     execs: Family<ResultLabel, Counter>,
     vm_exits: Family<ReasonLabel, Counter>,
+    pool_clones: Family<StateLabel, Gauge>,
+    pool_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -78,6 +82,18 @@ impl Metrics {
         );
         registry.register("execs", "Commands run, by result", execs.clone());
         registry.register("vm_exits", "VMs that ended, by reason", vm_exits.clone());
+        let pool_clones = Family::<StateLabel, Gauge>::default();
+        let pool_failures = Counter::default();
+        registry.register(
+            "pool_clones",
+            "The warm pool's clones, ready or being restored",
+            pool_clones.clone(),
+        );
+        registry.register(
+            "pool_restore_failures",
+            "Restores of warm-pool clones that failed",
+            pool_failures.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
             sandboxes,
@@ -85,7 +101,23 @@ impl Metrics {
             create_failures,
             execs,
             vm_exits,
+            pool_clones,
+            pool_failures,
         }
+    }
+
+    /// Sets the warm pool's gauge: `ready` idle clones, `restoring` being restored.
+    pub fn pool(&self, ready: usize, restoring: usize) {
+        for (state, n) in [("ready", ready), ("restoring", restoring)] {
+            self.pool_clones
+                .get_or_create(&StateLabel { state })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Records a failed restore of a pool clone.
+    pub fn pool_restore_failed(&self) {
+        self.pool_failures.inc();
     }
 
     /// Records a successful create that took `seconds`.
@@ -146,6 +178,8 @@ mod tests {
         metrics.created(0.3);
         metrics.exec(true);
         metrics.vm_exit("guest_crash");
+        metrics.pool(3, 1);
+        metrics.pool_restore_failed();
 
         // Act
         let text = metrics.render(&[(SandboxState::Running, 2)]);
@@ -169,6 +203,14 @@ mod tests {
         );
         assert!(
             text.contains("bulkhead_vm_exits_total{reason=\"guest_crash\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("bulkhead_pool_clones{state=\"ready\"} 3"),
+            "{text}"
+        );
+        assert!(
+            text.contains("bulkhead_pool_restore_failures_total 1"),
             "{text}"
         );
     }

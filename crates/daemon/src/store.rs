@@ -89,6 +89,11 @@ pub struct Record {
     /// The template it was restored from, when it was.
     #[serde(default)]
     pub template: Option<String>,
+    /// An idle clone of the warm pool, not a sandbox yet: never listed, never adopted (a
+    /// restarted daemon destroys it and refills the pool). Left out of the file when false, so
+    /// other records keep schema 3's layout.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pool: bool,
 }
 
 /// A version 1 record: the same fields without `schema`, with the create request as `spec`.
@@ -157,12 +162,17 @@ impl RecordV1 {
             sandbox: self.sandbox,
             failure: self.failure,
             template: None,
+            pool: false,
         }
     }
 }
 
 /// Directory of the paused sandboxes' saved VMs in the state directory.
 pub const PAUSED_DIR: &str = "paused";
+
+/// How long [`Store::open`] retries a held state-dir lock before reporting
+/// [`StoreError::Locked`].
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The record directory, locked for this daemon's lifetime.
 #[derive(Debug)]
@@ -175,7 +185,8 @@ pub struct Store {
 impl Store {
     /// Creates `<state_dir>/sandboxes` and `<state_dir>/paused` (mode 0700) and takes the state
     /// dir's lock (`<state_dir>/bulkheadd.lock`, flock(2)), so two daemons never share one state
-    /// dir.
+    /// dir. A held lock is retried for up to 2 s (a VMM that a just-killed daemon was spawning
+    /// holds it until it execs).
     ///
     /// # Errors
     /// [`StoreError::Locked`] when another daemon holds it; [`StoreError::Io`].
@@ -192,12 +203,21 @@ impl Store {
             .write(true)
             .open(&lock_path)
             .map_err(io_err(&lock_path))?;
-        // SAFETY: flock on a descriptor we own; LOCK_NB makes it fail instead of blocking.
-        let rc = unsafe {
-            libc::flock(
-                std::os::fd::AsRawFd::as_raw_fd(&lock),
-                libc::LOCK_EX | libc::LOCK_NB,
-            )
+        // A daemon killed a moment ago may still hold the lock through a VMM it was spawning
+        // (between fork and exec the child shares the descriptor): retry for a little while.
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        let rc = loop {
+            // SAFETY: flock on a descriptor we own; LOCK_NB makes it fail instead of blocking.
+            let rc = unsafe {
+                libc::flock(
+                    std::os::fd::AsRawFd::as_raw_fd(&lock),
+                    libc::LOCK_EX | libc::LOCK_NB,
+                )
+            };
+            if rc == 0 || std::time::Instant::now() >= deadline {
+                break rc;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         };
         if rc != 0 {
             return Err(StoreError::Locked(state_dir.to_owned()));
@@ -352,6 +372,7 @@ mod tests {
             sandbox: None,
             failure: None,
             template: None,
+            pool: false,
         }
     }
 

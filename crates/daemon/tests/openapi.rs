@@ -96,6 +96,17 @@ fn the_openapi_document_is_valid_and_matches_the_routes() {
     .map(|(m, p)| ((*m).to_owned(), (*p).to_owned()))
     .collect();
     assert_eq!(operations, expected);
+    let schemas = &doc["components"]["schemas"];
+    assert!(
+        schemas["Health"]["properties"].get("pool").is_some(),
+        "/healthz documents the warm pool"
+    );
+    for field in ["template", "size", "ready", "restoring"] {
+        assert!(
+            schemas["PoolStatus"]["properties"].get(field).is_some(),
+            "PoolStatus.{field}"
+        );
+    }
 }
 
 #[test]

@@ -318,6 +318,15 @@ impl VmCgroup {
         self.cg.procs().into_iter().map(|p| p.pid as u32).collect()
     }
 
+    /// Sets the limits of an existing cgroup (a warm-pool VM handed out with a request's
+    /// limits). A `cpu_quota` of None leaves the CPU quota as it is.
+    ///
+    /// # Errors
+    /// [`CgroupError::Op`], or a controller missing from the cgroup.
+    pub fn set_limits(&self, limits: &VmLimits) -> Result<(), CgroupError> {
+        self.apply(limits)
+    }
+
     fn apply(&self, limits: &VmLimits) -> Result<(), CgroupError> {
         let path = &self.spec.path;
         let memory = self

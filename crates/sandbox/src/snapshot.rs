@@ -337,8 +337,13 @@ fn restore_args(
     args
 }
 
-/// A [`RestoredRequest`] with fresh host entropy and the host's wall clock now.
-fn restored_request(hostname: Option<String>) -> Result<RestoredRequest, Error> {
+/// A [`RestoredRequest`] with fresh host entropy, the host's wall clock now and `hostname`: what
+/// makes a restored guest a machine of its own (see the module docs), for a restore and for a
+/// warm clone handed out later.
+///
+/// # Errors
+/// [`Error::Snapshot`] when the host's `/dev/urandom` cannot be read.
+pub fn restored_request(hostname: Option<String>) -> Result<RestoredRequest, Error> {
     let mut entropy = vec![0u8; ENTROPY_BYTES];
     fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut entropy))

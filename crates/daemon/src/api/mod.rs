@@ -58,6 +58,7 @@ pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
         bulkhead_client::ExitInfo,
         bulkhead_client::FileWritten,
         bulkhead_client::Health,
+        bulkhead_client::PoolStatus,
         bulkhead_client::ErrorBody,
         bulkhead_client::ErrorDetail,
         bulkhead_client::WorkspaceSpec,

@@ -14,7 +14,7 @@ use crate::manager::Manager;
 /// Content type of the metrics (OpenMetrics text, which Prometheus reads).
 const METRICS_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Liveness: the daemon answers and how many sandboxes it holds.
+/// Liveness: the daemon answers, how many sandboxes it holds and the state of its warm pool.
 #[utoipa::path(get, path = "/healthz", tag = "system",
     responses((status = 200, description = "The daemon is up", body = Health)))]
 pub async fn healthz(State(manager): State<Manager>) -> Json<Health> {
@@ -22,14 +22,19 @@ pub async fn healthz(State(manager): State<Manager>) -> Json<Health> {
         status: "ok".into(),
         version: env!("CARGO_PKG_VERSION").into(),
         sandboxes: manager.counts().iter().map(|(_, n)| n).sum(),
+        pool: manager.pool_status(),
     })
 }
 
-/// Prometheus metrics: sandboxes by state, create latency, execs, VM exits by reason.
+/// Prometheus metrics: sandboxes by state, create latency, execs, VM exits by reason, the warm
+/// pool's clones.
 #[utoipa::path(get, path = "/metrics", tag = "system",
     responses((status = 200, description = "OpenMetrics text exposition", body = String,
         content_type = "application/openmetrics-text")))]
 pub async fn metrics(State(manager): State<Manager>) -> impl IntoResponse {
+    if let Some(pool) = manager.pool_status() {
+        manager.metrics().pool(pool.ready, pool.restoring);
+    }
     let text = manager.metrics().render(&manager.counts());
     ([(header::CONTENT_TYPE, METRICS_TYPE)], text)
 }

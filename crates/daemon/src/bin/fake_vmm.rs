@@ -158,6 +158,15 @@ fn boot(
     let _ = io::stdout().flush();
     let listener = UnixListener::bind(&vsock.uds_path)
         .map_err(|e| format!("bind {}: {e}", vsock.uds_path.display()))?;
+    // The control socket before the readiness announcement, as the real VMM's: a client may
+    // pause the sandbox as soon as it is ready.
+    let sizes = FakeState {
+        fake_vmm: true,
+        vcpus: vm.vcpus,
+        memory_mib: vm.memory_mib,
+        config: vm.clone(),
+    };
+    serve_control(args.api_sock.as_deref(), sizes)?;
     let ready_path = PathBuf::from(format!("{}_{READY_PORT}", vsock.uds_path.display()));
     let ready = Ready {
         version: PROTOCOL_VERSION,
@@ -168,13 +177,6 @@ fn boot(
     if !server::announce_ready(&ReadyTarget::Unix(ready_path), &ready) {
         return Err("cannot announce readiness".into());
     }
-    let sizes = FakeState {
-        fake_vmm: true,
-        vcpus: vm.vcpus,
-        memory_mib: vm.memory_mib,
-        config: vm.clone(),
-    };
-    serve_control(args.api_sock.as_deref(), sizes)?;
     println!("fake-vmm: agent ready");
     accept(listener)
 }

@@ -103,9 +103,12 @@ impl Manager {
             sandbox: None,
             failure: None,
             template,
+            pool: false,
         };
         let mut entries = self.entries();
-        if entries.len() >= self.inner.config.max_sandboxes {
+        // Idle pool clones count too; at the limit one of them makes room.
+        let pooled = self.inner.pool.as_ref().map_or(0, |p| p.held());
+        if entries.len() + pooled >= self.inner.config.max_sandboxes && !self.evict_clone() {
             return Err(ManagerError::TooMany(self.inner.config.max_sandboxes));
         }
         self.inner
@@ -285,9 +288,13 @@ impl Manager {
     }
 
     /// Takes the entry out of the registry; its record is gone already (or never mattered).
-    fn forget(&self, entry: &Arc<Entry>) {
+    pub(super) fn forget(&self, entry: &Arc<Entry>) {
         entry.lock().removed = true;
         self.entries().remove(&entry.id);
+        // Room under max_sandboxes for the pool.
+        if let Some(pool) = &self.inner.pool {
+            pool.wake();
+        }
     }
 }
 

@@ -9,7 +9,8 @@
 //!
 //! A create that names a template restores the template's VM instead of booting one
 //! ([`templates`]); a running sandbox can be paused (its VM saved in the state directory) and
-//! resumed ([`pause`]).
+//! resumed ([`pause`]). With `[pool]`, idle clones of one template wait restored, and a create
+//! that names it takes one ([`pool`]).
 //!
 //! Each sandbox's record is written before any of its resources exist and removed after they
 //! are all gone, so a daemon killed at any moment leaves a record that names everything to adopt
@@ -21,6 +22,7 @@ mod images;
 mod lifecycle;
 pub mod pause;
 pub mod plan;
+mod pool;
 pub mod procs;
 mod recover;
 pub mod templates;
@@ -140,6 +142,8 @@ struct Inner {
     shutting_down: AtomicBool,
     /// One permit per VM allowed to boot at once ([`Config::boot_slots`]).
     boot_slots: tokio::sync::Semaphore,
+    /// The warm pool, with `[pool]`.
+    pool: Option<pool::Pool>,
 }
 
 /// The sandbox manager. Cheap to clone (shared state).
@@ -161,11 +165,14 @@ impl Manager {
     /// Opens the state dir, sets up cgroups and adopts or cleans up the sandboxes of an earlier
     /// run (per [`Config::on_restart`]).
     ///
+    /// With `[pool]`, then starts filling the warm pool.
+    ///
     /// # Errors
-    /// A message when the state dir is locked or unusable, or cgroups explicitly asked for
-    /// cannot be set up.
+    /// A message when the state dir is locked or unusable, cgroups explicitly asked for
+    /// cannot be set up, or the pool's template is missing, unreadable or too large.
     pub async fn start(config: Arc<Config>, metrics: Metrics) -> Result<Manager, String> {
         let store = Store::open(&config.state_dir).map_err(|e| e.to_string())?;
+        let pool = pool::Pool::new(&config)?;
         let cgroups = CgroupManager::init(config.cgroups, config.cgroup_parent.as_deref())
             .map_err(|e| e.to_string())?;
         std::fs::create_dir_all(config.vm_runtime_root())
@@ -179,9 +186,11 @@ impl Manager {
                 metrics,
                 entries: Mutex::new(HashMap::new()),
                 shutting_down: AtomicBool::new(false),
+                pool,
             }),
         };
         manager.recover().await;
+        manager.start_pool();
         Ok(manager)
     }
 
@@ -361,12 +370,20 @@ impl Manager {
             None => request,
         };
         let (spec, recipe) = plan::plan(config, &request, plan::host_facts(config), &id)?;
+        let pooled = self.inner.pool.as_ref().is_some_and(|p| p.serves(&request));
         let this = self.clone();
         let ttl_s = request.ttl_s;
         // Run to the end even when the client goes away, so nothing is left half made.
-        tokio::spawn(async move { this.create_vm(spec, ttl_s, recipe, template).await })
-            .await
-            .map_err(|e| ManagerError::Internal(format!("the create task failed: {e}")))?
+        tokio::spawn(async move {
+            if pooled {
+                if let Some(result) = this.hand_out(&spec, recipe.limits, ttl_s).await {
+                    return result;
+                }
+            }
+            this.create_vm(spec, ttl_s, recipe, template).await
+        })
+        .await
+        .map_err(|e| ManagerError::Internal(format!("the create task failed: {e}")))?
     }
 
     /// Destroys sandbox `id` (VMM, cgroup, runtime files, record). Idempotent: an unknown or
@@ -386,11 +403,13 @@ impl Manager {
             .map_err(|e| ManagerError::Internal(format!("the destroy task failed: {e}")))?
     }
 
-    /// Stops taking new sandboxes and, per [`Config::on_shutdown`], destroys every sandbox or
+    /// Stops taking new sandboxes, destroys the warm pool's idle clones and, per
+    /// [`Config::on_shutdown`], destroys every sandbox or
     /// lets go of them (they keep running, recorded for the next start). Paused sandboxes stay
     /// either way, saved in the state directory.
     pub async fn shutdown(&self) {
         self.inner.shutting_down.store(true, Ordering::SeqCst);
+        self.shutdown_pool().await;
         let entries = self.all_entries();
         match self.inner.config.on_shutdown {
             crate::config::ShutdownPolicy::Destroy => {

@@ -4,6 +4,8 @@
 //! since nothing of it runs) or destroyed (half-created, or the policy is `destroy`). Then
 //! runtime directories and cgroups that no record names (left by a daemon killed before it wrote
 //! one), and saved VMs that no paused sandbox owns, are removed with whatever still runs there.
+//! Idle clones of the warm pool (records with `pool: true`) are never adopted: they are
+//! destroyed, whatever `on_restart` says, and the pool is refilled.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -60,6 +62,17 @@ impl Manager {
 
     fn recover_one(&self, mut record: Record) -> Option<Recovered> {
         let store = &self.inner.store;
+        if record.pool {
+            tracing::info!(id = %record.id, "destroying an idle pool clone of the previous run");
+            let sandbox = record
+                .sandbox
+                .as_ref()
+                .and_then(|state| Sandbox::adopt(state).ok());
+            if let Err(e) = teardown(sandbox, &record, store) {
+                tracing::error!(id = %record.id, "{e}");
+            }
+            return None;
+        }
         match record.phase {
             Phase::Creating => {
                 tracing::info!(id = %record.id, "removing a sandbox that was being created");

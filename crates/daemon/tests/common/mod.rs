@@ -161,6 +161,23 @@ impl TestDaemon {
             .collect()
     }
 
+    /// The processes in this test's VM cgroups (VMMs, with the jail their supervisors).
+    pub fn vm_cgroup_pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self
+            .vm_cgroups()
+            .iter()
+            .filter_map(|dir| fs::read_to_string(dir.join("cgroup.procs")).ok())
+            .flat_map(|text| {
+                text.lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect::<Vec<u32>>()
+            })
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
     /// Every leftover a sandbox could leave: VMM processes, runtime files, records, cgroups.
     pub fn leftovers(&self, vmm_pids: &[u32]) -> Vec<String> {
         let mut left = Vec::new();

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use bulkhead_client::CreateSandbox;
+use bulkhead_client::{CreateSandbox, ExecSpec};
 use bulkhead_tests::artifacts;
 
 use super::TestDaemon;
@@ -27,15 +27,27 @@ pub fn ensure_cgroup2() {
 /// A daemon with real VMs, a boot timeout for slow nested guests, and room for many sandboxes.
 /// `config` is more TOML for its configuration file.
 pub fn real_daemon(config: &str, extra: &[&str]) -> TestDaemon {
+    real_daemon_with_file(config, extra).0
+}
+
+/// [`real_daemon`], and its configuration file (rewrite it with [`real_config`] and restart the
+/// daemon to change the configuration).
+pub fn real_daemon_with_file(config: &str, extra: &[&str]) -> (TestDaemon, PathBuf) {
     ensure_cgroup2();
     let a = artifacts();
     let file = tempfile::NamedTempFile::new().expect("config file");
-    let text = format!("boot_timeout_s = 300\nmax_sandboxes = 64\n{config}");
-    std::fs::write(file.path(), text).expect("write config");
     let (_, path): (_, PathBuf) = file.keep().expect("keep config");
+    std::fs::write(&path, real_config(config)).expect("write config");
     let mut args = vec!["--config", path.to_str().expect("UTF-8 temp path")];
     args.extend_from_slice(extra);
-    TestDaemon::start_real(&a.vmm, &a.vmlinux, &a.agent_initrd, &args)
+    let daemon = TestDaemon::start_real(&a.vmm, &a.vmlinux, &a.agent_initrd, &args);
+    (daemon, path)
+}
+
+/// The configuration of [`real_daemon`]: a boot timeout for slow nested guests, room for many
+/// sandboxes, and `config` (top-level keys first, then tables).
+pub fn real_config(config: &str) -> String {
+    format!("boot_timeout_s = 300\nmax_sandboxes = 64\n{config}")
 }
 
 /// A 1-vCPU sandbox with `memory_mib` of guest RAM.
@@ -64,4 +76,42 @@ pub fn vm_logs(vms: &Path) -> String {
         }
     }
     out
+}
+
+/// A real daemon whose state dir has template `base` (a 64 MiB sandbox that wrote `42` to
+/// `/tmp/x`, paused and copied there), restarted with a warm pool of `size` clones of it;
+/// returns it with its configuration file.
+pub fn real_pool_daemon(size: usize) -> (TestDaemon, PathBuf) {
+    let (mut daemon, config) = real_daemon_with_file("", &[]);
+    let client = daemon.client();
+    let rt = super::rt();
+    let sb = rt.block_on(client.create(&small(64))).unwrap();
+    let wrote =
+        rt.block_on(client.exec_collect(&sb.id, &ExecSpec::new(["sh", "-c", "echo 42 > /tmp/x"])));
+    assert_eq!(
+        wrote.map(|o| o.exit.code).ok(),
+        Some(Some(0)),
+        "{}",
+        vm_logs(&daemon.vms_dir())
+    );
+    rt.block_on(client.pause(&sb.id)).unwrap();
+    let template = daemon.state_dir.join("templates/base");
+    std::fs::create_dir_all(&template).unwrap();
+    for file in super::list(&daemon.state_dir.join("paused").join(&sb.id)) {
+        std::fs::copy(&file, template.join(file.file_name().unwrap())).unwrap();
+    }
+    rt.block_on(client.delete(&sb.id)).unwrap();
+    assert!(daemon.terminate(), "{}", daemon.log());
+    let pool = format!("[pool]\ntemplate = \"base\"\nsize = {size}\n");
+    std::fs::write(&config, real_config(&pool)).unwrap();
+    daemon.spawn(&[]);
+    (daemon, config)
+}
+
+/// Whether the daemon's pool has exactly `ready` clones ready and none being restored.
+pub fn pool_ready(daemon: &TestDaemon, ready: usize) -> bool {
+    let health = super::rt().block_on(daemon.client().health()).unwrap();
+    health
+        .pool
+        .is_some_and(|p| p.ready == ready && p.restoring == 0)
 }

@@ -1,0 +1,612 @@
+//! The warm pool (`[pool]` in the configuration): clones of one template kept restored and
+//! idle, each in its own cgroup from the start, so that a create naming that template is a
+//! hand-out instead of a restore.
+//!
+//! ```text
+//!   refiller ──restore (one at a time)──▶ ready clones ──create that matches──▶ sandbox
+//!      ▲  backoff on failure                  │ a create at max_sandboxes: one is destroyed
+//!      └──── woken by hand-outs and by sandboxes that go away ◀──────────────────┘
+//! ```
+//!
+//! A clone has a record (`pool: true`) like a sandbox's, written before its resources exist,
+//! but it is no sandbox: it is not listed, and a restarted daemon destroys it (whatever
+//! `on_restart` says) and refills the pool. Handing one out assigns the request's settings
+//! (labels, TTL, environment, exec defaults), sets the request's limits on the clone's cgroup,
+//! tells the guest its hostname with fresh entropy and the host's clock, and then records it as
+//! a sandbox. Clones count against `max_sandboxes`: the refiller never restores beyond it, and a
+//! create that finds the limit reached takes the room of an idle clone (which is destroyed).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bulkhead_client::{CreateSandbox, Limits, PoolStatus, SandboxInfo, SandboxState};
+use bulkhead_sandbox::cgroup::{CgroupSpec, VmLimits};
+use bulkhead_sandbox::{Sandbox, SandboxSpec};
+
+use super::lifecycle::teardown;
+use super::templates::{self, Template};
+use super::{plan, Entry, EntryInner, Manager, ManagerError};
+use crate::cgroup::VmCgroup;
+use crate::config::{Config, PoolConfig};
+use crate::store::{Phase, Record, RECORD_SCHEMA};
+use crate::util;
+
+/// The first pause after a failed refill; it doubles with each failure in a row.
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest pause between refill attempts after failures.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// How long the agent of a handed-out clone may take to acknowledge its new identity.
+const HAND_OUT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The warm pool's settings and idle clones.
+#[derive(Debug)]
+pub(super) struct Pool {
+    template: Template,
+    size: usize,
+    state: Mutex<PoolState>,
+    /// Wakes the refiller: a clone was taken, a sandbox went away, the daemon stops.
+    wake: tokio::sync::Notify,
+    refiller: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    /// Idle clones, oldest first.
+    ready: VecDeque<Member>,
+    /// Clones being restored (0 or 1).
+    restoring: usize,
+}
+
+/// One idle clone.
+#[derive(Debug)]
+struct Member {
+    /// Its record (`pool: true`, phase running), as saved.
+    record: Record,
+    sandbox: Sandbox,
+}
+
+impl Pool {
+    /// The pool `config` asks for, its template found and checked against the daemon's limits;
+    /// None without `[pool]`.
+    ///
+    /// # Errors
+    /// A message naming the template when it does not exist, cannot be read, or is larger than
+    /// the daemon allows.
+    pub(super) fn new(config: &Config) -> Result<Option<Pool>, String> {
+        let Some(PoolConfig { template, size }) = &config.pool else {
+            return Ok(None);
+        };
+        let invalid = |e: ManagerError| format!("pool.template {template:?}: {e}");
+        let found = templates::resolve(config, template).map_err(invalid)?;
+        // The daemon's own limits only: the host's free memory is checked at each restore.
+        let request = templates::fit(&clone_request(template), &found).map_err(invalid)?;
+        plan::plan(config, &request, plan::HostFacts::default(), "000000000000")
+            .map_err(invalid)?;
+        Ok(Some(Pool {
+            template: found,
+            size: *size,
+            state: Mutex::new(PoolState::default()),
+            wake: tokio::sync::Notify::new(),
+            refiller: Mutex::new(None),
+        }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Clones held, ready or being restored: they count against `max_sandboxes`.
+    pub(super) fn held(&self) -> usize {
+        let state = self.lock();
+        state.ready.len() + state.restoring
+    }
+
+    /// Whether a pooled clone can serve `request` (already fitted to its template): it names
+    /// the pool's template and asks for nothing a restore must set up (kernel, image, disks,
+    /// shares, network); such requests take the normal path.
+    pub(super) fn serves(&self, request: &CreateSandbox) -> bool {
+        request.template.as_deref() == Some(self.template.name.as_str())
+            && request.kernel.is_none()
+            && request.image.is_none()
+            && request.disk_mib.is_none()
+            && request.workspace.is_none()
+            && request.mounts.is_empty()
+            && request.network.is_none()
+    }
+
+    /// Wakes the refiller.
+    pub(super) fn wake(&self) {
+        self.wake.notify_one();
+    }
+}
+
+/// The create request a clone is restored for: the template with its own sizes.
+fn clone_request(template: &str) -> CreateSandbox {
+    CreateSandbox {
+        template: Some(template.to_owned()),
+        ..CreateSandbox::default()
+    }
+}
+
+impl Manager {
+    /// The warm pool's state, when there is one.
+    pub fn pool_status(&self) -> Option<PoolStatus> {
+        let pool = self.inner.pool.as_ref()?;
+        let state = pool.lock();
+        Some(PoolStatus {
+            template: pool.template.name.clone(),
+            size: pool.size,
+            ready: state.ready.len(),
+            restoring: state.restoring,
+        })
+    }
+
+    /// Starts the refiller (with a pool).
+    pub(super) fn start_pool(&self) {
+        let Some(pool) = &self.inner.pool else {
+            return;
+        };
+        let this = self.clone();
+        let task = tokio::spawn(async move { this.refill().await });
+        *pool.refiller.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+    }
+
+    /// Restores clones, one at a time, while the pool is short and `max_sandboxes` leaves room;
+    /// after a failure waits (1 s, doubling up to 60 s) before the next attempt.
+    async fn refill(self) {
+        let Some(pool) = self.inner.pool.as_ref() else {
+            return;
+        };
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            if self.is_shutting_down() {
+                return;
+            }
+            if !self.reserve_restore(pool) {
+                pool.wake.notified().await;
+                continue;
+            }
+            match self.restore_clone(pool).await {
+                Ok(member) => {
+                    backoff = FIRST_BACKOFF;
+                    tracing::info!(id = %member.record.id, "pool: a clone of {} is ready",
+                        pool.template.name);
+                    let pidfd = member.sandbox.vmm_pidfd();
+                    let id = member.record.id.clone();
+                    {
+                        let mut state = pool.lock();
+                        state.restoring -= 1;
+                        state.ready.push_back(member);
+                    }
+                    match pidfd {
+                        Ok(pidfd) => self.watch_clone(id, pidfd),
+                        Err(e) => tracing::warn!(id = %id, "pool: cannot watch the clone: {e}"),
+                    }
+                }
+                Err(e) => {
+                    pool.lock().restoring -= 1;
+                    self.inner.metrics.pool_restore_failed();
+                    tracing::error!(
+                        "pool: restoring a clone of {} failed (next attempt in {backoff:?}): {e}",
+                        pool.template.name
+                    );
+                    // Only a shutdown cuts the pause short (hand-outs and deletes do not, or a
+                    // busy daemon would retry a broken template at its request rate).
+                    let until = tokio::time::Instant::now() + backoff;
+                    while !self.is_shutting_down() && tokio::time::Instant::now() < until {
+                        tokio::select! {
+                            () = tokio::time::sleep_until(until) => {}
+                            () = pool.wake.notified() => {}
+                        }
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// Watches an idle clone's VMM: when it ends while the clone is still in the pool, the
+    /// clone is destroyed and the pool refilled. (Once handed out, the sandbox's own watcher
+    /// takes over and this one finds nothing to do.)
+    fn watch_clone(&self, id: String, pidfd: std::os::fd::OwnedFd) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            // SAFETY: the AsyncFd owns the OwnedFd, which stays open on the same pidfd until the
+            // AsyncFd is dropped; OwnedFd::as_raw_fd always returns that descriptor.
+            let registered = unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    pidfd,
+                    tokio::io::Interest::READABLE,
+                )
+            };
+            let fd = match registered {
+                Ok(fd) => fd,
+                Err(e) => {
+                    tracing::warn!(id = %id, "pool: cannot watch the clone: {e}");
+                    return;
+                }
+            };
+            let _ = fd.readable().await;
+            let Some(pool) = &this.inner.pool else {
+                return;
+            };
+            let member = {
+                let mut state = pool.lock();
+                let at = state.ready.iter().position(|m| m.record.id == id);
+                at.and_then(|i| state.ready.remove(i))
+            };
+            if let Some(member) = member {
+                tracing::warn!(id = %id, "pool: an idle clone's VM ended; replacing it");
+                this.destroy_clone(member).await;
+                pool.wake();
+            }
+        });
+    }
+
+    /// Counts one more clone being restored when the pool is short and the sandbox limit
+    /// leaves room (under the registry's lock, as creates count).
+    fn reserve_restore(&self, pool: &Pool) -> bool {
+        let entries = self.entries();
+        let mut state = pool.lock();
+        let held = state.ready.len() + state.restoring;
+        if held >= pool.size || entries.len() + held >= self.inner.config.max_sandboxes {
+            return false;
+        }
+        state.restoring += 1;
+        true
+    }
+
+    /// Restores one clone: its record (`pool: true`) first, then its cgroup and VMM.
+    async fn restore_clone(&self, pool: &Pool) -> Result<Member, ManagerError> {
+        let config = &self.inner.config;
+        let id =
+            util::new_id().map_err(|e| ManagerError::Internal(format!("no sandbox id: {e}")))?;
+        let request = templates::fit(&clone_request(&pool.template.name), &pool.template)?;
+        let (spec, recipe) = plan::plan(config, &request, plan::host_facts(config), &id)?;
+        let cgroup = self.inner.cgroups.as_ref().map(|c| c.spec_for(&id));
+        let mut record = Record {
+            schema: RECORD_SCHEMA,
+            id: id.clone(),
+            spec,
+            created_at_ms: util::now_ms(),
+            expires_at_ms: None,
+            phase: Phase::Creating,
+            runtime_parent: recipe.config.runtime_dir.clone(),
+            limits: limits_of(&recipe.limits, cgroup.as_ref()),
+            cgroup,
+            sandbox: None,
+            failure: None,
+            template: Some(pool.template.name.clone()),
+            pool: true,
+        };
+        let store = &self.inner.store;
+        store
+            .save(&record)
+            .map_err(|e| ManagerError::Internal(e.to_string()))?;
+        let dir = Some(pool.template.dir.clone());
+        let sandbox = match self.start_blocking(record.clone(), recipe, dir).await {
+            Ok(sandbox) => sandbox,
+            Err(e) => {
+                // The failed start removed its cgroup and files; the record goes last.
+                if let Err(e) = store.remove(&id) {
+                    tracing::error!(id = %id, "{e}");
+                }
+                return Err(e);
+            }
+        };
+        record.phase = Phase::Running;
+        match sandbox.state() {
+            Ok(state) => record.sandbox = Some(state),
+            Err(e) => {
+                self.destroy_clone(Member { record, sandbox }).await;
+                return Err(ManagerError::Internal(e.to_string()));
+            }
+        }
+        if let Err(e) = store.save(&record) {
+            // The record still names the clone's resources (phase creating): a restart removes
+            // them; this run keeps the clone.
+            tracing::error!(id = %id, "cannot record the pool clone: {e}");
+        }
+        Ok(Member { record, sandbox })
+    }
+
+    /// Destroys one clone (VMM, cgroup, files, record) on the blocking pool; logs failures.
+    async fn destroy_clone(&self, member: Member) {
+        let this = self.clone();
+        let id = member.record.id.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            teardown(Some(member.sandbox), &member.record, &this.inner.store)
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("the teardown task failed: {e}")));
+        match result {
+            Ok(()) => tracing::info!(id = %id, "pool: clone destroyed"),
+            Err(e) => tracing::error!(id = %id, "pool: destroying the clone: {e}"),
+        }
+    }
+
+    /// A create at `max_sandboxes`: takes an idle clone out of the pool (the caller holds the
+    /// registry's lock) and destroys it in the background; false when there is none.
+    pub(super) fn evict_clone(&self) -> bool {
+        let Some(pool) = &self.inner.pool else {
+            return false;
+        };
+        let Some(member) = pool.lock().ready.pop_back() else {
+            return false;
+        };
+        tracing::info!(id = %member.record.id, "pool: destroying an idle clone to make room");
+        let this = self.clone();
+        tokio::spawn(async move { this.destroy_clone(member).await });
+        true
+    }
+
+    /// Hands an idle clone out as the sandbox `spec` asks for (a request the pool
+    /// [serves](Pool::serves), planned), with `limits` on its cgroup and a TTL of `ttl_s`.
+    /// None when the pool has no clone ready, or the one taken turned out unusable (it is
+    /// destroyed): the caller then restores as usual.
+    pub(super) async fn hand_out(
+        &self,
+        spec: &SandboxSpec,
+        limits: VmLimits,
+        ttl_s: Option<u64>,
+    ) -> Option<Result<SandboxInfo, ManagerError>> {
+        let started = Instant::now();
+        let pool = self.inner.pool.as_ref()?;
+        let (entry, member) = {
+            // Under the registry's lock: the clone leaves the pool's count as the sandbox
+            // enters the registry's, so the total never exceeds max_sandboxes.
+            let mut entries = self.entries();
+            let member = pool.lock().ready.pop_front()?;
+            let record = handed_out(&member.record, spec, &limits, ttl_s);
+            let entry = Arc::new(Entry {
+                id: record.id.clone(),
+                lifecycle: tokio::sync::Mutex::new(()),
+                inner: Mutex::new(EntryInner {
+                    state: SandboxState::Creating,
+                    record,
+                    sandbox: None,
+                    removed: false,
+                }),
+            });
+            entries.insert(entry.id.clone(), entry.clone());
+            (entry, member)
+        };
+        pool.wake();
+        let _lifecycle = entry.lifecycle.lock().await;
+        let hostname = spec
+            .hostname
+            .clone()
+            .unwrap_or_else(|| format!("bh-{}", entry.id));
+        let cgroup = member.record.cgroup.clone();
+        let Member { record, sandbox } = member;
+        let prepared = tokio::task::spawn_blocking(move || {
+            let mut sandbox = sandbox;
+            let result = prepare(&mut sandbox, cgroup.as_ref(), &limits, hostname);
+            (sandbox, result)
+        })
+        .await;
+        let sandbox = match prepared {
+            Ok((sandbox, Ok(()))) => sandbox,
+            Ok((sandbox, Err(e))) => {
+                tracing::warn!(id = %entry.id, "pool: the idle clone is unusable ({e}); restoring");
+                self.destroy_clone(Member { record, sandbox }).await;
+                self.forget(&entry);
+                return None;
+            }
+            Err(e) => {
+                tracing::error!(id = %entry.id, "pool: the hand-out task failed: {e}");
+                self.forget(&entry);
+                return None;
+            }
+        };
+        let info = match self.mark_running(&entry, sandbox) {
+            Ok(info) => info,
+            Err(e) => {
+                self.forget(&entry);
+                return Some(Err(e));
+            }
+        };
+        self.watch_ttl(&entry);
+        self.inner.metrics.created(started.elapsed().as_secs_f64());
+        tracing::info!(id = %entry.id, "sandbox running (from the pool) after {:?}",
+            started.elapsed());
+        Some(Ok(info))
+    }
+
+    /// Shutdown: stops the refiller (waiting for a restore in progress) and destroys every
+    /// idle clone.
+    pub(super) async fn shutdown_pool(&self) {
+        let Some(pool) = &self.inner.pool else {
+            return;
+        };
+        pool.wake();
+        let task = pool
+            .refiller
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+        let members: Vec<Member> = pool.lock().ready.drain(..).collect();
+        for member in members {
+            self.destroy_clone(member).await;
+        }
+    }
+}
+
+/// The record of a clone handed out as the sandbox `spec` asks for: the request's spec, limits
+/// and TTL, created now, no longer a pool clone (the VM, runtime directory and cgroup stay).
+fn handed_out(clone: &Record, spec: &SandboxSpec, limits: &VmLimits, ttl_s: Option<u64>) -> Record {
+    let now = util::now_ms();
+    Record {
+        spec: spec.clone(),
+        created_at_ms: now,
+        expires_at_ms: ttl_s.map(|s| now.saturating_add(s.saturating_mul(1000))),
+        limits: limits_of(limits, clone.cgroup.as_ref()),
+        pool: false,
+        ..clone.clone()
+    }
+}
+
+/// The API view of `limits` in `cgroup`.
+fn limits_of(limits: &VmLimits, cgroup: Option<&CgroupSpec>) -> Limits {
+    Limits {
+        memory_bytes: limits.memory_bytes,
+        cpu_quota: limits.cpu_quota,
+        pids_max: limits.pids_max,
+        cgroup: cgroup.map(|c| c.path.clone()),
+    }
+}
+
+/// Blocking: readies an idle clone for its sandbox: its VM must still run, its cgroup gets
+/// `limits`, its guest the hostname, fresh entropy and the host's clock.
+fn prepare(
+    sandbox: &mut Sandbox,
+    cgroup: Option<&CgroupSpec>,
+    limits: &VmLimits,
+    hostname: String,
+) -> Result<(), String> {
+    if let Ok(Some(end)) = sandbox.try_wait_exit() {
+        return Err(format!("its VM ended: {end}"));
+    }
+    if let Some(spec) = cgroup {
+        VmCgroup::load(spec)
+            .set_limits(limits)
+            .map_err(|e| e.to_string())?;
+    }
+    let request =
+        bulkhead_sandbox::snapshot::restored_request(Some(hostname)).map_err(|e| e.to_string())?;
+    sandbox
+        .client()
+        .with_timeout(HAND_OUT_TIMEOUT)
+        .restored(&request)
+        .map_err(|e| format!("its agent did not take its identity: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use bulkhead_client::types::{DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
+    use bulkhead_sandbox::cgroup::Version;
+
+    use super::*;
+
+    fn clone_record() -> Record {
+        Record {
+            schema: RECORD_SCHEMA,
+            id: "0123456789ab".into(),
+            spec: plan::spec_of(&CreateSandbox::default()),
+            created_at_ms: 1,
+            expires_at_ms: None,
+            phase: Phase::Running,
+            runtime_parent: "/run/bulkhead/vms/0123456789ab".into(),
+            cgroup: Some(CgroupSpec {
+                version: Version::V2,
+                path: "bulkhead/vm-0123456789ab".into(),
+            }),
+            limits: Limits {
+                memory_bytes: 128 << 20,
+                cpu_quota: None,
+                pids_max: 64,
+                cgroup: Some("bulkhead/vm-0123456789ab".into()),
+            },
+            sandbox: None,
+            failure: None,
+            template: Some("base".into()),
+            pool: true,
+        }
+    }
+
+    #[test]
+    fn a_handed_out_clone_is_recorded_as_a_sandbox_with_the_requests_settings() {
+        // Arrange
+        let clone = clone_record();
+        let request = CreateSandbox {
+            labels: [("team".to_owned(), "a".to_owned())].into(),
+            ..CreateSandbox::default()
+        };
+        let spec = plan::spec_of(&request);
+        let limits = VmLimits {
+            memory_bytes: 128 << 20,
+            cpu_quota: Some(0.5),
+            pids_max: 40,
+        };
+
+        // Act
+        let record = handed_out(&clone, &spec, &limits, Some(60));
+
+        // Assert
+        assert!(!record.pool);
+        assert_eq!(record.id, clone.id);
+        assert_eq!(record.cgroup, clone.cgroup);
+        assert_eq!(record.runtime_parent, clone.runtime_parent);
+        assert_eq!(record.template.as_deref(), Some("base"));
+        assert_eq!(
+            record.spec.labels.get("team").map(String::as_str),
+            Some("a")
+        );
+        assert_eq!(
+            (record.limits.cpu_quota, record.limits.pids_max),
+            (Some(0.5), 40)
+        );
+        assert_eq!(record.limits.cgroup, clone.limits.cgroup);
+        assert_eq!(
+            record.expires_at_ms,
+            Some(record.created_at_ms + 60_000),
+            "the TTL counts from the hand-out"
+        );
+    }
+
+    #[test]
+    fn only_template_creates_without_shares_images_or_networks_are_served() {
+        // Arrange
+        let pool = Pool {
+            template: Template {
+                name: "base".into(),
+                dir: "/nonexistent".into(),
+                manifest: bulkhead_sandbox::snapshot::Manifest {
+                    bulkhead_version: "0".into(),
+                    created_unix_ms: 0,
+                    memory_mib: DEFAULT_MEMORY_MIB,
+                    vcpus: DEFAULT_VCPUS,
+                    ready: bulkhead_protocol::Ready {
+                        version: bulkhead_protocol::PROTOCOL_VERSION,
+                        agent_version: "0".into(),
+                        init_started: Default::default(),
+                        listening: Default::default(),
+                    },
+                },
+                slots: Default::default(),
+            },
+            size: 1,
+            state: Mutex::new(PoolState::default()),
+            wake: tokio::sync::Notify::new(),
+            refiller: Mutex::new(None),
+        };
+        let base = clone_request("base");
+
+        // Act / Assert
+        assert!(pool.serves(&base));
+        assert!(!pool.serves(&clone_request("other")));
+        assert!(!pool.serves(&CreateSandbox::default()));
+        let with = |change: fn(&mut CreateSandbox)| {
+            let mut request = base.clone();
+            change(&mut request);
+            pool.serves(&request)
+        };
+        assert!(with(|r| r.hostname = Some("h".into())));
+        assert!(with(|r| r.pids_max = Some(40)));
+        assert!(!with(|r| r.image = Some("debian".into())));
+        assert!(!with(|r| r.workspace =
+            Some(bulkhead_client::WorkspaceSpec {
+                path: "/w".into(),
+                mode: bulkhead_client::WorkspaceMode::Clone,
+            })));
+        assert!(!with(|r| r.mounts = vec![bulkhead_client::MountSpec {
+            host: "/d".into(),
+            guest: "/d".into(),
+            ro: true,
+        }]));
+    }
+}
