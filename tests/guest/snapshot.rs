@@ -180,6 +180,19 @@ guest_test!(
             .unwrap()
             .set_len(len - 100)
             .unwrap();
+        // A snapshot written by a bulkhead with another state format: its header says so.
+        let newer = tempfile::tempdir().unwrap();
+        for name in ["state", "memory", MANIFEST_FILE] {
+            std::fs::copy(dir.path().join(name), newer.path().join(name)).unwrap();
+        }
+        let newer_state = newer.path().join("state");
+        let text = std::fs::read(&newer_state).unwrap();
+        let header_end = text.iter().position(|&b| b == b'\n').unwrap();
+        let header =
+            String::from_utf8_lossy(&text[..header_end]).replace("\"format\":1,", "\"format\":2,");
+        let mut rewritten = header.into_bytes();
+        rewritten.extend_from_slice(&text[header_end..]);
+        std::fs::write(&newer_state, rewritten).unwrap();
         let runtime = tempfile::tempdir().unwrap();
         let mut cfg = config();
         cfg.runtime_dir = runtime.path().to_owned();
@@ -187,11 +200,18 @@ guest_test!(
         bigger.memory_mib = MEMORY_MIB * 2;
 
         // Act
+        let other_version = Sandbox::restore(&cfg, newer.path()).unwrap_err();
         let cut = Sandbox::restore(&cfg, truncated.path()).unwrap_err();
         let more_memory = Sandbox::restore(&bigger, dir.path()).unwrap_err();
         let missing = Sandbox::restore(&cfg, &dir.path().join("nope")).unwrap_err();
 
         // Assert: each names its cause, and no runtime directory (so no VMM) is left.
+        assert!(
+            other_version
+                .to_string()
+                .contains("snapshot format version 2"),
+            "{other_version}"
+        );
         assert!(cut.to_string().contains("truncated"), "{cut}");
         assert!(
             more_memory

@@ -60,6 +60,7 @@ pub fn restore_with_kvm(config: &RestoreConfig, kvm_path: &Path) -> Result<Vmm, 
     let vm_config = merge_config(&snapshot, config)?;
     check_counts(&snapshot, &vm_config)?;
     let kvm = KvmContext::open(kvm_path).map_err(|e| build_err(e.into()))?;
+    check_vcpu_limit(&kvm, &snapshot)?;
     check_host(&kvm, &snapshot)?;
     let mem = memory::map_private(
         &config.dir.join(MEMORY_FILE),
@@ -188,8 +189,8 @@ fn check_counts(snapshot: &VmSnapshot, config: &VmConfig) -> Result<(), Error> {
     Ok(())
 }
 
-#[cfg(target_arch = "x86_64")]
-fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
+/// The snapshot's vCPU count fits this host's KVM.
+fn check_vcpu_limit(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
     if usize::from(snapshot.config.vcpus) > kvm.max_vcpus() {
         return Err(Error::Mismatch(format!(
             "the snapshot has {} vCPUs; this host's KVM allows {}",
@@ -197,6 +198,12 @@ fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
             kvm.max_vcpus()
         )));
     }
+    Ok(())
+}
+
+/// x86_64: this host's CPU offers what every saved vCPU's CPUID advertises.
+#[cfg(target_arch = "x86_64")]
+fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
     for vcpu in &snapshot.vcpus {
         arch::x86_64::persist::check_cpuid(kvm.kvm(), &vcpu.cpuid)
             .map_err(|e| Error::Mismatch(e.to_string()))?;
@@ -204,18 +211,11 @@ fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
     Ok(())
 }
 
-/// aarch64: the vCPU count fits this host's KVM, and the saved GIC state has the layout this
-/// VMM writes (checked before anything is built). Whether this host's CPU can run the saved
-/// vCPUs shows when KVM refuses one of their ID registers on restore.
+/// aarch64: the saved GIC state has the layout this VMM writes (checked before anything is
+/// built). Whether this host's CPU can run the saved vCPUs shows when KVM refuses one of their
+/// ID registers on restore.
 #[cfg(target_arch = "aarch64")]
-fn check_host(kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
-    if usize::from(snapshot.config.vcpus) > kvm.max_vcpus() {
-        return Err(Error::Mismatch(format!(
-            "the snapshot has {} vCPUs; this host's KVM allows {}",
-            snapshot.config.vcpus,
-            kvm.max_vcpus()
-        )));
-    }
+fn check_host(_kvm: &KvmContext, snapshot: &VmSnapshot) -> Result<(), Error> {
     arch::aarch64::gic_persist::check_layout(&snapshot.vm, snapshot.vcpus.len())
         .map_err(|e| Error::Mismatch(e.to_string()))?;
     for (id, vcpu) in snapshot.vcpus.iter().enumerate() {
