@@ -82,7 +82,8 @@ impl NetworkArgs {
             // Deny rules narrow a network; alone they would silently change nothing.
             (None, NetworkMode::None) if denies => {
                 return Err(
-                    "--deny narrows a network, and there is none: add --allow or \
+                    "deny rules (--deny, or deny in --policy) narrow a network, and there is \
+                     none: add --allow or \
                             --allow-cidr (allowlist), or --network allow-all"
                         .to_owned(),
                 )
@@ -259,7 +260,7 @@ mod tests {
             "{errors:?}"
         );
         assert!(
-            errors[2].contains("--deny narrows a network"),
+            errors[2].contains("deny rules (--deny, or deny in --policy) narrow a network"),
             "{}",
             errors[2]
         );

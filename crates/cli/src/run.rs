@@ -148,7 +148,7 @@ pub struct RunArgs {
     pub(crate) export_tar: Option<PathBuf>,
     #[command(flatten)]
     network: NetworkArgs,
-    /// The value of secret NAME (`--secret NAME=HOSTS`) from FILE instead of the environment
+    /// The value of secret NAME (`--secret NAME=HOSTS`) from file PATH instead of the environment
     /// variable NAME (one trailing newline is dropped) (repeatable).
     #[arg(long = "secret-file", value_name = "NAME=PATH")]
     secret_files: Vec<String>,

@@ -188,7 +188,7 @@ async fn raw_tcp_to_a_port_without_a_port_rule_is_refused() {
     assert!(
         refused
             .body
-            .contains(&format!("port {} needs a port rule", sink.port)),
+            .contains(&format!("no rule for api.test allows port {}", sink.port)),
         "{}",
         refused.body
     );

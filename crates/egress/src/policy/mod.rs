@@ -86,6 +86,15 @@ pub enum PolicyError {
         /// What is wrong.
         why: String,
     },
+    /// A policy file says `mode = "none"` and still lists rules or secrets.
+    #[error(
+        "{path}: mode = \"none\" takes no allow, deny, allow_cidr, rules or secrets (drop them, \
+         or say mode = \"allowlist\" or \"allow-all\")"
+    )]
+    RulesUnderNone {
+        /// The policy file.
+        path: String,
+    },
     /// A rule lists too many methods or paths, or a policy has too many rules.
     #[error("{rule}: too many entries (at most 16 methods and 64 paths a rule, 4096 rules)")]
     TooMany {
@@ -303,7 +312,8 @@ impl Policy {
             return Decision::deny(
                 None,
                 format!(
-                    "port {port} needs a port rule ({name}:{port}); without one only 80 and 443"
+                    "no rule for {name} allows port {port}: add {name}:{port} (a rule without a \
+                     port allows only 80 and 443)"
                 ),
             );
         }

@@ -112,10 +112,26 @@ impl NetworkSpec {
     /// [`PolicyError::File`] (with the parser's message naming the key and line) for bad TOML
     /// and unknown keys.
     pub fn from_toml_str(text: &str, path: &str) -> Result<NetworkSpec, PolicyError> {
-        toml::from_str(text).map_err(|e| PolicyError::File {
+        let spec: NetworkSpec = toml::from_str(text).map_err(|e| PolicyError::File {
             path: path.to_owned(),
             source: Box::new(e),
-        })
+        })?;
+        // `none` is also the default: only a file that says it and lists rules is contradictory.
+        let says_none = toml::from_str::<toml::Table>(text)
+            .ok()
+            .and_then(|table| table.get("mode").cloned())
+            .is_some_and(|mode| mode.as_str() == Some("none"));
+        let has_rules = !spec.allow.is_empty()
+            || !spec.deny.is_empty()
+            || !spec.allow_cidr.is_empty()
+            || !spec.rules.is_empty()
+            || !spec.secrets.is_empty();
+        if says_none && has_rules {
+            return Err(PolicyError::RulesUnderNone {
+                path: path.to_owned(),
+            });
+        }
+        Ok(spec)
     }
 
     /// Reads and parses a TOML policy file.

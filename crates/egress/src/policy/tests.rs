@@ -184,7 +184,8 @@ fn allowlist_allows_named_hosts_and_explains_denials() {
     assert_eq!(other.reason, "no allow rule matches");
     assert!(!port.is_allowed());
     assert!(
-        port.reason.contains("port 8443 needs a port rule"),
+        port.reason
+            .contains("no rule for api.test allows port 8443: add api.test:8443"),
         "{}",
         port.reason
     );
@@ -565,6 +566,25 @@ fn policy_files_parse_and_refuse_unknown_keys() {
     );
     assert!(nested.contains("unknown field `method`"), "{nested}");
     assert!(mode.contains("unknown variant `open`"), "{mode}");
+}
+
+#[test]
+fn a_policy_file_that_says_none_and_lists_rules_is_refused() {
+    // Arrange
+    let contradictory = "mode = \"none\"\nallow = [\"example.com\"]\n";
+    let plain_none = "mode = \"none\"\n";
+    let default_mode = "allow = [\"example.com\"]\n";
+
+    // Act
+    let refused = NetworkSpec::from_toml_str(contradictory, "p.toml");
+    let none = NetworkSpec::from_toml_str(plain_none, "p.toml").unwrap();
+    let rules = NetworkSpec::from_toml_str(default_mode, "p.toml").unwrap();
+
+    // Assert
+    let text = refused.unwrap_err().to_string();
+    assert!(text.contains("p.toml: mode = \"none\" takes no"), "{text}");
+    assert_eq!(none.mode, NetworkMode::None);
+    assert_eq!(rules.allow, ["example.com"]);
 }
 
 #[test]
