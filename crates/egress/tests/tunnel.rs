@@ -293,3 +293,43 @@ async fn origin_form_and_malformed_connect_requests_get_400() {
     assert_eq!(bad_host.status, StatusCode::BAD_REQUEST);
     assert!(bad_host.body.contains("empty label"), "{}", bad_host.body);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_half_closes_after_its_request_still_gets_the_answer_and_a_log_line() {
+    // Arrange: requests written whole and then the write side shut (`printf ... | nc`).
+    let ca = TestCa::new();
+    let server = TestServer::start(&ca).await;
+    let port = server.http_port;
+    let mut proxy = TestProxy::start(
+        &allowlist(&[format!("api.test:{port}")]),
+        &ca,
+        ProxyOptions::default(),
+    );
+    let half_closed = |request: String| {
+        let proxy = &proxy;
+        async move {
+            let mut stream = proxy.connect().await;
+            stream.write_all(request.as_bytes()).await.unwrap();
+            stream.shutdown().await.unwrap();
+            let mut answer = String::new();
+            stream.read_to_string(&mut answer).await.unwrap();
+            answer
+        }
+    };
+
+    // Act
+    let allowed = half_closed(format!(
+        "GET http://api.test:{port}/x HTTP/1.1\r\nHost: api.test:{port}\r\n\r\n"
+    ))
+    .await;
+    let denied =
+        half_closed("GET http://evil.test/ HTTP/1.1\r\nHost: evil.test\r\n\r\n".into()).await;
+    let log = proxy.stop_and_read_log();
+
+    // Assert
+    assert!(allowed.starts_with("HTTP/1.1 200"), "{allowed}");
+    assert!(denied.starts_with("HTTP/1.1 403"), "{denied}");
+    assert!(denied.contains("no allow rule matches"), "{denied}");
+    assert!(log.iter().any(|e| e.host == "api.test"), "{log:?}");
+    assert!(log.iter().any(|e| e.host == "evil.test"), "{log:?}");
+}

@@ -89,7 +89,10 @@ where
     let for_service = conn.clone();
     conn.spawn(async move {
         let service = service_fn(move |req| dispatch(req, for_service.clone()));
+        // A client may shut its write side once its request is out (`printf ... | nc`); it
+        // still gets the answer (hyper's default drops the connection at that EOF).
         let served = http1::Builder::new()
+            .half_close(true)
             .timer(TokioTimer::new())
             .header_read_timeout(HEADER_TIMEOUT)
             .max_buf_size(MAX_HEAD_BYTES)
