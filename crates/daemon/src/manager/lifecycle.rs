@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{Limits, SandboxInfo, SandboxState};
+use bulkhead_sandbox::cgroup::VmLimits;
 use bulkhead_sandbox::{Recipe, Sandbox, SandboxSpec};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -92,12 +93,7 @@ impl Manager {
             expires_at_ms: ttl_s.map(|s| now.saturating_add(s.saturating_mul(1000))),
             phase: Phase::Creating,
             runtime_parent: recipe.config.runtime_dir.clone(),
-            limits: Limits {
-                memory_bytes: recipe.limits.memory_bytes,
-                cpu_quota: recipe.limits.cpu_quota,
-                pids_max: recipe.limits.pids_max,
-                cgroup: cgroup.as_ref().map(|c| c.path.clone()),
-            },
+            limits: api_limits(&recipe.limits, cgroup.as_ref()),
             cgroup,
             spec,
             sandbox: None,
@@ -177,14 +173,8 @@ impl Manager {
     pub(super) fn watch_vmm(&self, entry: Arc<Entry>, pidfd: std::os::fd::OwnedFd) {
         let this = self.clone();
         tokio::spawn(async move {
-            // SAFETY: the AsyncFd owns the OwnedFd, which stays open on the same pidfd until the
-            // AsyncFd is dropped; OwnedFd::as_raw_fd always returns that descriptor.
-            let registered = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) };
-            match registered {
-                Ok(fd) => {
-                    let _ = fd.readable().await;
-                    this.vm_ended(&entry).await;
-                }
+            match process_exit(pidfd).await {
+                Ok(()) => this.vm_ended(&entry).await,
                 Err(e) => tracing::error!(id = %entry.id, "cannot watch the VMM: {e}"),
             }
         });
@@ -324,6 +314,28 @@ fn boot(
         cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());
     }
     result
+}
+
+/// The API view of a VM's cgroup `limits` in `cgroup`.
+pub(super) fn api_limits(limits: &VmLimits, cgroup: Option<&CgroupSpec>) -> Limits {
+    Limits {
+        memory_bytes: limits.memory_bytes,
+        cpu_quota: limits.cpu_quota,
+        pids_max: limits.pids_max,
+        cgroup: cgroup.map(|c| c.path.clone()),
+    }
+}
+
+/// Returns once the process of `pidfd` has exited (the pidfd polls readable).
+///
+/// # Errors
+/// The pidfd cannot be registered with the runtime.
+pub(super) async fn process_exit(pidfd: std::os::fd::OwnedFd) -> std::io::Result<()> {
+    // SAFETY: the AsyncFd owns the OwnedFd, which stays open on the same pidfd until the
+    // AsyncFd is dropped; OwnedFd::as_raw_fd always returns that descriptor.
+    let fd = unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }?;
+    let _ = fd.readable().await;
+    Ok(())
 }
 
 /// The API error of a boot that failed: a timeout (504), a VM that ended or a VMM that died

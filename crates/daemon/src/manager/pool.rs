@@ -20,11 +20,11 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use bulkhead_client::{CreateSandbox, Limits, PoolStatus, SandboxInfo, SandboxState};
+use bulkhead_client::{CreateSandbox, PoolStatus, SandboxInfo, SandboxState};
 use bulkhead_sandbox::cgroup::{CgroupSpec, VmLimits};
 use bulkhead_sandbox::{Sandbox, SandboxSpec};
 
-use super::lifecycle::teardown;
+use super::lifecycle::{api_limits, process_exit, teardown};
 use super::templates::{self, Template};
 use super::{plan, Entry, EntryInner, Manager, ManagerError};
 use crate::cgroup::VmCgroup;
@@ -212,22 +212,10 @@ impl Manager {
     fn watch_clone(&self, id: String, pidfd: std::os::fd::OwnedFd) {
         let this = self.clone();
         tokio::spawn(async move {
-            // SAFETY: the AsyncFd owns the OwnedFd, which stays open on the same pidfd until the
-            // AsyncFd is dropped; OwnedFd::as_raw_fd always returns that descriptor.
-            let registered = unsafe {
-                tokio::io::unix::AsyncFd::register_with_interest(
-                    pidfd,
-                    tokio::io::Interest::READABLE,
-                )
-            };
-            let fd = match registered {
-                Ok(fd) => fd,
-                Err(e) => {
-                    tracing::warn!(id = %id, "pool: cannot watch the clone: {e}");
-                    return;
-                }
-            };
-            let _ = fd.readable().await;
+            if let Err(e) = process_exit(pidfd).await {
+                tracing::warn!(id = %id, "pool: cannot watch the clone: {e}");
+                return;
+            }
             let Some(pool) = &this.inner.pool else {
                 return;
             };
@@ -273,7 +261,7 @@ impl Manager {
             expires_at_ms: None,
             phase: Phase::Creating,
             runtime_parent: recipe.config.runtime_dir.clone(),
-            limits: limits_of(&recipe.limits, cgroup.as_ref()),
+            limits: api_limits(&recipe.limits, cgroup.as_ref()),
             cgroup,
             sandbox: None,
             failure: None,
@@ -444,19 +432,9 @@ fn handed_out(clone: &Record, spec: &SandboxSpec, limits: &VmLimits, ttl_s: Opti
         spec: spec.clone(),
         created_at_ms: now,
         expires_at_ms: ttl_s.map(|s| now.saturating_add(s.saturating_mul(1000))),
-        limits: limits_of(limits, clone.cgroup.as_ref()),
+        limits: api_limits(limits, clone.cgroup.as_ref()),
         pool: false,
         ..clone.clone()
-    }
-}
-
-/// The API view of `limits` in `cgroup`.
-fn limits_of(limits: &VmLimits, cgroup: Option<&CgroupSpec>) -> Limits {
-    Limits {
-        memory_bytes: limits.memory_bytes,
-        cpu_quota: limits.cpu_quota,
-        pids_max: limits.pids_max,
-        cgroup: cgroup.map(|c| c.path.clone()),
     }
 }
 
@@ -488,6 +466,7 @@ fn prepare(
 #[cfg(test)]
 mod tests {
     use bulkhead_client::types::{DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
+    use bulkhead_client::Limits;
     use bulkhead_sandbox::cgroup::Version;
 
     use super::*;
