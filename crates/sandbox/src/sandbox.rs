@@ -18,7 +18,7 @@ use bulkhead_vmm::config::{DiskConfig, SerialOutput, VmConfig, VsockConfig, DEFA
 
 use crate::egress::{self, EgressError, EgressSettings};
 use crate::jail::{self, Jail, JailError};
-use crate::mounts::{self, Mount, MountError};
+use crate::mounts::{Mount, MountError};
 use crate::phases::{self, PhaseClock, Timings, REPORT_FILE};
 use crate::process::{self, SpawnOptions, Woken};
 use crate::spec::build::config_of;
@@ -708,10 +708,7 @@ fn write_vm_config(
     uds_path: &Path,
     path: &Path,
 ) -> Result<VmConfig, Error> {
-    let mut all_mounts = config.mounts.clone();
-    all_mounts.extend(ws.mount.clone());
-    let mut shared = mounts::prepare(&all_mounts)?;
-    shared.shares.extend(ws.share.clone());
+    let mut shared = ws.shares_with(&config.mounts)?;
     crate::snapshot::check_share_slots(config)?;
     let runtime = path.parent().unwrap_or(Path::new("."));
     shared

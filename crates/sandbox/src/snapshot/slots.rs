@@ -24,7 +24,7 @@ use bulkhead_protocol::boot::BootParams;
 use bulkhead_vmm::config::ShareConfig;
 
 use crate::jail;
-use crate::mounts::{self, MAX_MOUNTS, TAG_PREFIX};
+use crate::mounts::{MAX_MOUNTS, TAG_PREFIX};
 use crate::sandbox::{Error, SandboxConfig};
 use crate::workspace::{self, WORKSPACE_TAG};
 
@@ -177,21 +177,19 @@ impl Attached {
 ///
 /// # Errors
 /// [`Error::Snapshot`] when the snapshot has too few slots; the errors of
-/// [`mounts::prepare`]; [`Error::RuntimeDir`]; [`Error::BootParams`].
+/// [`mounts::prepare`](crate::mounts::prepare); [`Error::RuntimeDir`]; [`Error::BootParams`].
 pub(crate) fn attach(
     config: &SandboxConfig,
     ws: &workspace::Prepared,
     saved: &[String],
     runtime: &Path,
 ) -> Result<Attached, Error> {
-    let mut all = config.mounts.clone();
-    all.extend(ws.mount.clone());
-    ShareSlots::of_tags(saved).check(all.len(), ws.share.is_some())?;
-    let prepared = mounts::prepare(&all)?;
+    let mount_count = config.mounts.len() + usize::from(ws.mount.is_some());
+    ShareSlots::of_tags(saved).check(mount_count, ws.share.is_some())?;
+    let prepared = ws.shares_with(&config.mounts)?;
     let mut shares: Vec<ShareConfig> = prepared
         .shares
         .into_iter()
-        .chain(ws.share.clone())
         .map(|share| ShareConfig {
             path: jail::resolved(&share.path),
             ..share

@@ -220,6 +220,22 @@ pub(crate) struct Prepared {
     pub info: Option<WorkspaceInfo>,
 }
 
+impl Prepared {
+    /// The VM's virtio-fs devices and the agent's `bulkhead.mount=` parameters for `mounts`
+    /// together with this workspace: the mounts and a direct workspace's mount
+    /// ([`mounts::prepare`], tags `mount0`...), then a clone workspace's share.
+    ///
+    /// # Errors
+    /// The errors of [`mounts::prepare`].
+    pub(crate) fn shares_with(&self, mounts: &[Mount]) -> Result<mounts::Prepared, MountError> {
+        let mut all = mounts.to_vec();
+        all.extend(self.mount.clone());
+        let mut prepared = mounts::prepare(&all)?;
+        prepared.shares.extend(self.share.clone());
+        Ok(prepared)
+    }
+}
+
 /// Checks `workspace` together with the sandbox's other `mounts` (before anything starts) and
 /// returns what it adds to the VM.
 ///
