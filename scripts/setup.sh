@@ -39,8 +39,9 @@ SUDO=()
 
 # Debian packages: QEMU + busybox + cpio for the test host and images, mmdebstrap for the Debian
 # root file-system image, a C toolchain for -sys
-# crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps).
-PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap git)
+# crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps),
+# python3 for the Python SDK's tests (Debian's /usr/bin/python3 also runs them in the test host).
+PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap git python3)
 # The nested test host (QEMU emulating an x86_64 machine with AMD SVM) is for x86_64 hosts.
 [[ "$ARCH" != x86_64 ]] || PKGS+=(qemu-system-x86)
 # The aarch64 cross toolchain (linker for the aarch64 Rust targets, see .cargo/config.toml; C

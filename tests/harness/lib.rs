@@ -29,6 +29,7 @@ mod artifacts;
 pub mod bench;
 pub mod hostcheck;
 pub mod procs;
+pub mod python;
 pub mod readonly;
 
 pub use artifacts::{artifacts, kernel_without_vsock, Artifacts};
@@ -254,17 +255,25 @@ fn test_host(dead: Option<&Arc<TestHost>>) -> Arc<TestHost> {
 fn start_test_host() -> TestHost {
     TEST_HOSTS_STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let a = artifacts();
+    let mut shares = vec![target_dir(), artifacts::data_home().join("bulkhead")];
+    let mut extra_libs_for = vec![
+        env::current_exe().expect("test exe"),
+        a.vmm.clone(),
+        a.cli.clone(),
+    ];
+    // Python for the Python SDK's integration test (its standard library and the SDK shared,
+    // the interpreter's libraries added); without it that test fails with the reason.
+    if let Some(py) = python::prepare() {
+        shares.extend(py.shares);
+        extra_libs_for.push(py.interpreter);
+    }
     let config = TestHostConfig {
         // Multi-threaded TCG: with one TCG thread, about 1 in 7 nested guest boots stalled
         // before init (measured here); the rare test-host boot livelock of MTTCG is covered
         // by the test host's boot retry.
         tcg_threads: TcgThreads::Multi,
-        shares: vec![target_dir(), artifacts::data_home().join("bulkhead")],
-        extra_libs_for: vec![
-            env::current_exe().expect("test exe"),
-            a.vmm.clone(),
-            a.cli.clone(),
-        ],
+        shares,
+        extra_libs_for,
         ..TestHostConfig::default()
     };
     TestHost::start(config).unwrap_or_else(|e| panic!("cannot start the nested test host: {e}"))

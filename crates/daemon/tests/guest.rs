@@ -752,3 +752,28 @@ vm_test!(
         );
     }
 );
+
+vm_test!(
+    fn the_python_sdk_passes_its_integration_tests_against_real_vms() {
+        // Arrange: a mount root the jailed (unprivileged) VMM may enter.
+        let root = bulkhead_tests::socket_dir();
+        let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+        std::fs::set_permissions(root.path(), mode).unwrap();
+        let daemon = real_daemon("", &["--mount-root", root.path().to_str().unwrap()]);
+
+        // Act
+        let out = common::real::run_python_sdk_suite(&daemon, root.path());
+
+        // Assert
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let ran = format!("Ran {} tests", common::real::PYTHON_SDK_TESTS);
+        assert!(
+            out.status.success() && stderr.contains(&ran) && stderr.trim_end().ends_with("OK"),
+            "{}\n{}\n--- daemon\n{}",
+            bulkhead_tests::describe(&out),
+            vm_logs(&daemon.vms_dir()),
+            daemon.log()
+        );
+        assert_eq!(daemon.leftovers(&[]), Vec::<String>::new());
+    }
+);

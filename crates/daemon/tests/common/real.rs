@@ -115,3 +115,23 @@ pub fn pool_ready(daemon: &TestDaemon, ready: usize) -> bool {
         .pool
         .is_some_and(|p| p.ready == ready && p.restoring == 0)
 }
+
+/// Tests the Python SDK's integration suite runs (`sdk/python/tests/integration_real.py`).
+pub const PYTHON_SDK_TESTS: usize = 10;
+
+/// Runs the Python SDK's integration suite against `daemon`, whose `mount_roots` include
+/// `root` (where the suite makes its workspace); returns its output.
+pub fn run_python_sdk_suite(daemon: &TestDaemon, root: &Path) -> std::process::Output {
+    let sdk = bulkhead_tests::python::sdk_dir();
+    let mut path = std::ffi::OsString::from(sdk.join("src"));
+    path.push(":");
+    path.push(&sdk);
+    bulkhead_tests::python::command()
+        .args(["-m", "unittest", "-v", "tests.integration_real"])
+        .env("PYTHONPATH", path)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("BULKHEAD_SOCKET", &daemon.socket)
+        .env("BULKHEAD_SDK_TEST_ROOT", root)
+        .output()
+        .expect("run the Python SDK's integration suite")
+}

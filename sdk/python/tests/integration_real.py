@@ -1,0 +1,203 @@
+"""Integration tests of the SDK against a real bulkheadd that boots real VMs.
+
+Not part of the unit tests (``test_*.py``): run by ``crates/daemon/tests/guest.rs``
+(``the_python_sdk_passes_its_integration_tests_against_real_vms``), which starts the daemon (in
+the nested test host where this machine's KVM cannot boot guests) and runs
+``python3 -m unittest tests.integration_real`` with:
+
+- ``BULKHEAD_SOCKET``: the daemon's socket;
+- ``BULKHEAD_SDK_TEST_ROOT``: a directory inside the daemon's ``mount_roots``, for the workspace.
+
+By hand: ``BULKHEAD_SOCKET=... BULKHEAD_SDK_TEST_ROOT=... PYTHONPATH=src:. python3 -m unittest
+-v tests.integration_real`` in ``sdk/python``. Three sandboxes boot (64-128 MiB each).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import tempfile
+import unittest
+from typing import List
+
+import bulkhead
+from bulkhead import Sandbox, Workspace
+
+SOCKET_ENV = "BULKHEAD_SOCKET"
+ROOT_ENV = "BULKHEAD_SDK_TEST_ROOT"
+LABELS = {"suite": "python-sdk"}
+#: Longest the whole suite may take, seconds: past it the stacks are printed and the process
+#: exits (a hung guest fails the suite instead of stalling it).
+SUITE_TIMEOUT_S = 270
+
+
+def setUpModule() -> None:
+    missing = [v for v in (SOCKET_ENV, ROOT_ENV) if not os.environ.get(v)]
+    if missing:
+        raise RuntimeError(
+            f"set {' and '.join(missing)}: these tests need a running bulkheadd (its socket) and "
+            "a directory inside its mount_roots; see this module's docstring"
+        )
+    faulthandler.dump_traceback_later(SUITE_TIMEOUT_S, exit=True)
+
+
+def tearDownModule() -> None:
+    faulthandler.cancel_dump_traceback_later()
+
+
+class OneSandboxTest(unittest.TestCase):
+    """Tests sharing one sandbox with a clone workspace of a small project."""
+
+    sb: Sandbox
+    project: str
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.project = tempfile.mkdtemp(prefix="project-", dir=os.environ[ROOT_ENV])
+        # A daemon running as root jails each VMM as an unprivileged user, which must read it.
+        os.chmod(cls.project, 0o755)
+        for name, text in (("README.txt", "original\n"), ("old.txt", "to be deleted\n")):
+            with open(os.path.join(cls.project, name), "w") as f:
+                f.write(text)
+        cls.sb = Sandbox.create(memory_mib=128, workspace=Workspace(cls.project, mode="clone"), labels=LABELS)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.sb.kill()
+        shutil.rmtree(cls.project)
+
+    def test_exec_calls_back_with_stdout_and_stderr_apart_and_returns_the_exit_code(self) -> None:
+        # Arrange
+        out: List[bytes] = []
+        err: List[bytes] = []
+
+        # Act
+        result = self.sb.exec(
+            ["sh", "-c", "echo to-out; echo to-err >&2; echo $GREETING; exit 7"],
+            env={"GREETING": "hi"},
+            on_stdout=out.append,
+            on_stderr=err.append,
+        )
+
+        # Assert
+        self.assertEqual(b"".join(out), b"to-out\nhi\n")
+        self.assertEqual(b"".join(err), b"to-err\n")
+        self.assertEqual((result.exit_code, result.signal, result.timed_out), (7, None, False))
+        self.assertEqual((result.stdout, result.stderr), (b"to-out\nhi\n", b"to-err\n"))
+
+    def test_the_stream_form_feeds_stdin_and_ends_with_the_exit(self) -> None:
+        # Act
+        events = list(self.sb.exec_stream(["cat"], stdin=b"\x00bytes\xff"))
+
+        # Assert
+        data = b"".join(e.data for e in events if isinstance(e, bulkhead.Stdout))
+        self.assertEqual(data, b"\x00bytes\xff")
+        self.assertEqual(events[-1], bulkhead.Exit(0, None, False))
+
+    def test_a_timeout_kills_the_command(self) -> None:
+        # Act
+        result = self.sb.exec(["sleep", "60"], timeout=1)
+
+        # Assert
+        self.assertTrue(result.timed_out)
+        self.assertFalse(result.ok)
+
+    def test_files_round_trip_with_their_mode(self) -> None:
+        # Arrange
+        data = bytes(range(256)) * 64
+
+        # Act
+        written = self.sb.files.write("/tmp/sdk/dir/data.bin", data, mode=0o600)
+        back = self.sb.files.read("/tmp/sdk/dir/data.bin")
+        mode = self.sb.exec(["stat", "-c", "%a", "/tmp/sdk/dir/data.bin"]).stdout
+
+        # Assert
+        self.assertEqual(written, len(data))
+        self.assertEqual(back, data)
+        self.assertEqual(mode, b"600\n")
+        with self.assertRaises(bulkhead.NotFound):
+            self.sb.files.read("/tmp/sdk/no-such-file")
+
+    def test_the_clone_workspace_diff_and_patch_list_the_guests_changes_only(self) -> None:
+        # Arrange
+        script = "cd /workspace && echo changed > README.txt && echo new > added.txt && rm old.txt"
+        self.assertEqual(self.sb.exec(script).exit_code, 0)
+
+        # Act
+        diff = self.sb.diff()
+        with tempfile.TemporaryDirectory() as d:
+            review = self.sb.export(os.path.join(d, "out.patch"))
+            with open(os.path.join(d, "out.patch")) as f:
+                patch = f.read()
+
+        # Assert
+        self.assertEqual((diff.mode, diff.path), ("clone", self.project))
+        self.assertEqual(
+            [(c.path, c.status, c.kind) for c in diff.changes],
+            [("README.txt", "M", "file"), ("added.txt", "A", "file"), ("old.txt", "D", "file")],
+        )
+        self.assertIn("+changed", patch)
+        self.assertIn("added.txt", patch)
+        self.assertEqual(review.flagged_total, 0)
+        with open(os.path.join(self.project, "README.txt")) as f:
+            self.assertEqual(f.read(), "original\n")
+
+    def test_list_finds_it_by_label(self) -> None:
+        # Act
+        found = Sandbox.list(labels=LABELS)
+
+        # Assert
+        self.assertIn(self.sb.id, [s.id for s in found])
+        self.assertEqual(Sandbox.get(self.sb.id).info.state, "running")
+
+    def test_a_bad_request_is_invalid_request(self) -> None:
+        # Act
+        with self.assertRaises(bulkhead.InvalidRequest) as caught:
+            Sandbox.create(memory_mib=0)
+
+        # Assert
+        self.assertEqual((caught.exception.status, caught.exception.code), (400, "invalid_request"))
+        self.assertIn("memory_mib", caught.exception.message)
+
+    def test_a_missing_sandbox_is_not_found(self) -> None:
+        # Arrange
+        ghost = Sandbox(bulkhead.SandboxInfo.from_json(dict(self.sb.info.raw, id="0" * 12)), self.sb.client)
+
+        # Act / Assert
+        with self.assertRaises(bulkhead.NotFound) as caught:
+            Sandbox.get("0" * 12)
+        self.assertEqual((caught.exception.status, caught.exception.code), (404, "not_found"))
+        with self.assertRaises(bulkhead.NotFound):
+            ghost.exec(["true"])
+
+
+class LifecycleTest(unittest.TestCase):
+    def test_kill_destroys_the_sandbox(self) -> None:
+        # Arrange
+        sb = Sandbox.create(memory_mib=64)
+
+        # Act
+        sb.kill()
+
+        # Assert
+        self.assertNotIn(sb.id, [s.id for s in Sandbox.list()])
+        with self.assertRaises(bulkhead.NotFound):
+            sb.exec(["true"])
+        sb.kill()  # idempotent
+
+    def test_the_context_manager_destroys_the_sandbox_on_exit(self) -> None:
+        # Act
+        with Sandbox.create(memory_mib=64) as sb:
+            said = sb.exec(["echo", "inside"]).stdout
+            listed = [s.id for s in Sandbox.list()]
+
+        # Assert
+        self.assertEqual(said, b"inside\n")
+        self.assertIn(sb.id, listed)
+        with self.assertRaises(bulkhead.NotFound):
+            sb.refresh()
+
+
+if __name__ == "__main__":
+    unittest.main()
