@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs every bulkhead test: formatting, lints, unit tests, the guest-level integration tests
-# (which boot real guests, inside the nested test host when this host's KVM cannot), the aarch64
-# checklist in an emulated arm64 host (GUEST=run scripts/arm64-smoke.sh), and 60 s of
-# fuzzing per fuzz target (needs the nightly toolchain, installed when missing).
+# Runs every bulkhead test: formatting, lints, unit tests (the Python SDK's too), the
+# guest-level integration tests (which boot real guests, inside the nested test host when this
+# host's KVM cannot), the aarch64 checklist in an emulated arm64 host (GUEST=run
+# scripts/arm64-smoke.sh), and 60 s of fuzzing per fuzz target (needs the nightly toolchain,
+# installed when missing).
 # Exits non-zero when anything fails.
 #
 # At the end (also after a failure) it prints how long each stage took, and what the guest
@@ -128,6 +129,11 @@ list_skipped() {
     fi
 }
 stage "tests skipped here" list_skipped
+# The Python SDK's unit tests (a fake daemon; its integration suite against real VMs is one of
+# the daemon's guest tests, run by cargo test below).
+stage "Python SDK unit tests (sdk/python)" \
+    env PYTHONPATH=sdk/python/src:sdk/python PYTHONDONTWRITEBYTECODE=1 \
+    python3 -m unittest discover --quiet -s sdk/python/tests -t sdk/python
 run_tests() {
     cargo test --workspace --no-fail-fast -- "${SKIP_ROOT[@]}" 2>&1 | tee "$TEST_LOG"
     return "${PIPESTATUS[0]}"

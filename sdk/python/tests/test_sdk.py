@@ -98,6 +98,18 @@ class CreateAndListTest(DaemonTest):
         )
         self.assertEqual(json.loads(self.daemon.requests[1].body), {})
 
+    def test_relative_host_paths_are_made_absolute_against_the_current_directory(self) -> None:
+        # Arrange
+        self.daemon.route("POST", "/v1/sandboxes", json_answer(201, sandbox_doc(SB)))
+
+        # Act
+        Sandbox.create(workspace=Workspace("proj", "clone"), mounts=[Mount("data", "/data")], client=self.client)
+
+        # Assert
+        sent = json.loads(self.daemon.requests[0].body)
+        self.assertEqual(sent["workspace"]["path"], os.path.join(os.getcwd(), "proj"))
+        self.assertEqual(sent["mounts"][0]["host"], os.path.join(os.getcwd(), "data"))
+
     def test_list_filters_by_labels_and_returns_sandboxes(self) -> None:
         # Arrange
         docs = "[%s, %s]" % (sandbox_doc("aaaaaaaaaaaa"), sandbox_doc("bbbbbbbbbbbb", "paused"))

@@ -3,6 +3,7 @@ the full schema at ``GET /openapi.json``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -14,7 +15,8 @@ class Workspace:
     """A host project directory shared at the guest's ``/workspace`` (``workspace`` of a create).
 
     Attributes:
-        path: Absolute host path, inside one of the daemon's ``mount_roots``.
+        path: Host path, inside one of the daemon's ``mount_roots``; a relative one is made
+            absolute against the current directory when the request is sent, as the CLI does.
         mode: ``"direct"`` (read-write: changes reach the host at once) or ``"clone"``
             (read-only under a private overlay: see :meth:`Sandbox.diff` and
             :meth:`Sandbox.export`).
@@ -25,7 +27,7 @@ class Workspace:
 
     def to_json(self) -> Dict[str, Any]:
         """The API's ``WorkspaceSpec``."""
-        return {"path": self.path, "mode": self.mode}
+        return {"path": os.path.abspath(self.path), "mode": self.mode}
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,8 @@ class Mount:
     """A host directory shared at a guest path (one of ``mounts`` of a create).
 
     Attributes:
-        host: Absolute host path of a directory, inside one of the daemon's ``mount_roots``.
+        host: Host path of a directory, inside one of the daemon's ``mount_roots`` (a relative
+            one is made absolute against the current directory).
         guest: Absolute guest path (not ``/``).
         ro: Read-only, enforced by the VMM's file server.
     """
@@ -44,7 +47,7 @@ class Mount:
 
     def to_json(self) -> Dict[str, Any]:
         """The API's ``MountSpec``."""
-        return {"host": self.host, "guest": self.guest, "ro": self.ro}
+        return {"host": os.path.abspath(self.host), "guest": self.guest, "ro": self.ro}
 
 
 @dataclass(frozen=True)
