@@ -32,8 +32,8 @@ use hyper::{Method, StatusCode};
 
 pub use exec::{ExecEvent, ExecOutput, ExecStream};
 pub use types::{
-    CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo, Failure,
-    FileWritten, Health, Limits, NetworkRequest, NetworkRule, PoolStatus, SandboxInfo,
+    ByteString, CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo,
+    Failure, FileWritten, Health, Limits, NetworkRequest, NetworkRule, PoolStatus, SandboxInfo,
     SandboxState, SecretRef, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 pub use workspace::{
