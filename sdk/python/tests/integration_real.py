@@ -86,6 +86,15 @@ class OneSandboxTest(unittest.TestCase):
         self.assertEqual((result.exit_code, result.signal, result.timed_out), (7, None, False))
         self.assertEqual((result.stdout, result.stderr), (b"to-out\nhi\n", b"to-err\n"))
 
+    def test_arguments_and_environment_values_may_be_bytes_that_are_not_utf8(self) -> None:
+        # Act
+        result = self.sb.exec([b"printf", b"%s|%s", b"\xff\xfe", b"\xe9"])
+        env = self.sb.exec(["sh", "-c", 'printf %s "$V"'], env={"V": b"\x80x"})
+
+        # Assert
+        self.assertEqual((result.exit_code, result.stdout), (0, b"\xff\xfe|\xe9"))
+        self.assertEqual(env.stdout, b"\x80x")
+
     def test_the_stream_form_feeds_stdin_and_ends_with_the_exit(self) -> None:
         # Act
         events = list(self.sb.exec_stream(["cat"], stdin=b"\x00bytes\xff"))

@@ -251,6 +251,23 @@ class ExecTest(DaemonTest):
         self.assertEqual(second, {"argv": ["sh", "-c", "echo $K"]})
         self.assertEqual(self.daemon.requests[0].target, SB_PATH + "/exec")
 
+    def test_bytes_that_are_not_utf8_go_as_base64_objects_and_utf8_bytes_as_strings(self) -> None:
+        # Arrange
+        self.stream(ndjson({"exit": {"code": 0, "signal": None, "timed_out": False}}))
+
+        # Act
+        self.sb.exec([b"printf", b"\xff", "text"], env={"V": b"\xfe", "W": b"ok"}, cwd=b"/tmp/\xe9")
+
+        # Assert
+        self.assertEqual(
+            json.loads(self.daemon.requests[0].body),
+            {
+                "argv": ["printf", {"base64": "/w=="}, "text"],
+                "env": {"V": {"base64": "/g=="}, "W": "ok"},
+                "cwd": {"base64": "L3RtcC/p"},
+            },
+        )
+
     def test_the_stream_form_yields_events_in_order_ending_with_exit(self) -> None:
         # Arrange
         self.stream(

@@ -45,7 +45,10 @@ MODE_HEADER = "x-bulkhead-mode"
 REVIEW_HEADER = "x-bulkhead-review"
 
 PathLike = Union[str, "os.PathLike[str]"]
-Command = Union[str, Sequence[str]]
+#: A byte string of the API (argv entries, environment values, cwd): text, or bytes for values
+#: that are not UTF-8 (Linux argv is bytes).
+Bytes = Union[str, bytes]
+Command = Union[str, bytes, Sequence[Bytes]]
 Callback = Callable[[bytes], Any]
 
 
@@ -235,8 +238,8 @@ class Sandbox:
         cmd: Command,
         *,
         stdin: Union[bytes, str, None] = None,
-        env: Optional[Mapping[str, str]] = None,
-        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, Bytes]] = None,
+        cwd: Optional[Bytes] = None,
         user: Optional[str] = None,
         timeout: Optional[float] = None,
         on_stdout: Optional[Callback] = None,
@@ -246,11 +249,12 @@ class Sandbox:
 
         Args:
             cmd: The program and its arguments (``["ls", "-l"]``; ``argv[0]`` is looked up in
-                ``PATH``), or a string run by ``sh -c``.
+                ``PATH``), or a string run by ``sh -c``. Each entry is text or bytes (for
+                arguments that are not UTF-8).
             stdin: Bytes (or text, as UTF-8) fed to stdin, then end of file; at most 756 KiB.
                 None: stdin is ``/dev/null``.
-            env: Environment added to the sandbox's.
-            cwd: Absolute working directory in the guest.
+            env: Environment added to the sandbox's (values text or bytes).
+            cwd: Absolute working directory in the guest (text or bytes).
             user: Guest user: name, uid or uid:gid (default: the sandbox's, else root).
             timeout: Seconds after which the command's process group is killed
                 (``ExecResult.timed_out``).
@@ -292,8 +296,8 @@ class Sandbox:
         cmd: Command,
         *,
         stdin: Union[bytes, str, None] = None,
-        env: Optional[Mapping[str, str]] = None,
-        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, Bytes]] = None,
+        cwd: Optional[Bytes] = None,
         user: Optional[str] = None,
         timeout: Optional[float] = None,
     ) -> Iterator[ExecEvent]:
@@ -397,18 +401,18 @@ def _exec_spec(
     cmd: Command,
     *,
     stdin: Union[bytes, str, None],
-    env: Optional[Mapping[str, str]],
-    cwd: Optional[str],
+    env: Optional[Mapping[str, Bytes]],
+    cwd: Optional[Bytes],
     user: Optional[str],
     timeout: Optional[float],
 ) -> Dict[str, Any]:
     """The API's ``ExecSpec`` for these arguments."""
-    argv = ["sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
-    spec: Dict[str, Any] = {"argv": argv}
+    argv = ["sh", "-c", cmd] if isinstance(cmd, (str, bytes)) else list(cmd)
+    spec: Dict[str, Any] = {"argv": [_byte_string(a) for a in argv]}
     if env:
-        spec["env"] = dict(env)
+        spec["env"] = {k: _byte_string(v) for k, v in env.items()}
     if cwd is not None:
-        spec["cwd"] = cwd
+        spec["cwd"] = _byte_string(cwd)
     if user is not None:
         spec["user"] = user
     if timeout is not None:
@@ -423,6 +427,19 @@ def _exec_spec(
             )
         spec["stdin"] = base64.b64encode(data).decode()
     return spec
+
+
+def _byte_string(value: Bytes) -> Union[str, Dict[str, str]]:
+    """The API's byte string: a JSON string for text (and for bytes that are valid UTF-8), else
+    ``{"base64": ...}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return {"base64": base64.b64encode(value).decode()}
+    raise TypeError(f"expected str or bytes, got {type(value).__name__}")
 
 
 def _review(header: Optional[str]) -> ExportReview:
