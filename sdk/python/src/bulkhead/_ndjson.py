@@ -75,11 +75,10 @@ def parse_line(line: bytes) -> ExecEvent:
                 signal=value.get("signal"),
                 timed_out=bool(value.get("timed_out", False)),
             )
-        if key == "error":
-            err = stream_error(str(value["code"]), str(value["message"]))
-        else:
+        if key != "error":
             raise ValueError(f"unknown key {key!r}")
+        failure = stream_error(str(value["code"]), str(value["message"]))
     except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as err:
         shown = line[:200].decode("utf-8", "replace")
         raise ProtocolError(f"unexpected exec stream line {shown!r}: {err}", code="protocol") from err
-    raise err
+    raise failure

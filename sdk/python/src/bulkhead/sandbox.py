@@ -10,7 +10,7 @@ from typing import (
     Any,
     Callable,
     Dict,
-    Iterator,
+    Generator,
     List,
     Mapping,
     Optional,
@@ -67,7 +67,10 @@ class Client:
 
     def health(self) -> Dict[str, Any]:
         """``GET /healthz``: ``{"status": "ok", "version", "sandboxes", ...}``."""
-        return self.transport.request("GET", "/healthz").json()
+        doc = self.transport.request("GET", "/healthz").json()
+        if not isinstance(doc, dict):
+            raise ProtocolError("the health document is not a JSON object", code="protocol")
+        return doc
 
     def create(self, **kwargs: Any) -> "Sandbox":
         """Creates a sandbox; the keyword arguments are :meth:`Sandbox.create`'s."""
@@ -300,7 +303,7 @@ class Sandbox:
         cwd: Optional[Bytes] = None,
         user: Optional[str] = None,
         timeout: Optional[float] = None,
-    ) -> Iterator[ExecEvent]:
+    ) -> Generator[ExecEvent, None, None]:
         """Runs a command and yields its output as it comes: :class:`~bulkhead.types.Stdout` and
         :class:`~bulkhead.types.Stderr` events, last an :class:`~bulkhead.types.Exit`. The
         arguments are :meth:`exec`'s. Leaving the loop early (or ``close()`` on the iterator)
