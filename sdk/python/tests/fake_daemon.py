@@ -30,6 +30,8 @@ class Answer:
     status: int = 200
     chunks: Sequence[bytes] = (b"",)
     headers: Dict[str, str] = field(default_factory=dict)
+    #: Close the connection in the middle of a chunk after ``chunks`` (a daemon that died).
+    cut: bool = False
 
 
 def json_answer(status: int, text: str) -> Answer:
@@ -112,7 +114,7 @@ class FakeDaemon:
                     if chunk:
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                         self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.write(b"10\r\npart" if answer.cut else b"0\r\n\r\n")
                 self.wfile.flush()
 
             do_GET = do_POST = do_PUT = do_DELETE = _serve

@@ -304,6 +304,16 @@ class ExecTest(DaemonTest):
         with self.assertRaises(bulkhead.ExecInterrupted):
             self.sb.exec(["x"])
 
+    def test_a_connection_that_breaks_mid_stream_is_interrupted(self) -> None:
+        # Arrange
+        self.daemon.route("POST", SB_PATH + "/exec", Answer(200, [ndjson({"stdout": b64(b"a")})], cut=True))
+        seen: List[bytes] = []
+
+        # Act / Assert
+        with self.assertRaises(bulkhead.ExecInterrupted):
+            self.sb.exec(["x"], on_stdout=seen.append)
+        self.assertEqual(seen, [b"a"])
+
     def test_a_line_that_is_not_the_protocol_is_a_protocol_error(self) -> None:
         # Arrange
         self.stream(b'{"stdout": "not base64!"}\n')
@@ -393,6 +403,17 @@ class FilesWorkspaceAndLifecycleTest(DaemonTest):
         self.assertEqual(sink.getvalue(), written)
         self.assertEqual((got.skipped_total, got.skipped[0].path), (1, "fifo"))
         self.assertEqual(self.daemon.requests[1].target, SB_PATH + "/workspace/export?format=tar")
+
+    def test_an_export_cut_short_is_an_error_not_a_truncated_file(self) -> None:
+        # Arrange
+        header = base64.b64encode(b'{"flagged": [], "flagged_total": 0, "skipped": [], "skipped_total": 0}').decode()
+        answer = Answer(200, [b"diff --git"], {"x-bulkhead-review": header}, cut=True)
+        self.daemon.route("GET", SB_PATH + "/workspace/export", answer)
+
+        # Act / Assert
+        with self.assertRaises(bulkhead.DaemonUnavailable) as caught:
+            self.sb.export(io.BytesIO())
+        self.assertEqual(caught.exception.code, "connection_lost")
 
     def test_the_context_manager_kills_the_sandbox_also_after_an_exception(self) -> None:
         # Arrange

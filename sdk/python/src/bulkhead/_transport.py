@@ -39,18 +39,19 @@ class _UnixConnection(http.client.HTTPConnection):
 
     def __init__(self, path: str, timeout: Optional[float]) -> None:
         super().__init__("bulkheadd")
-        self._path = path
+        #: The socket path.
+        self.path = path
         self._sock_timeout = timeout
 
     def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self._sock_timeout)
         try:
-            sock.connect(self._path)
+            sock.connect(self.path)
         except OSError as err:
             sock.close()
             raise DaemonUnavailable(
-                f"cannot connect to bulkheadd at {self._path}: {err.strerror or err} "
+                f"cannot connect to bulkheadd at {self.path}: {err.strerror or err} "
                 f"(is the daemon running? pass socket= or set {SOCKET_ENV})",
                 code="daemon_unavailable",
             ) from err
@@ -86,10 +87,19 @@ class Response:
             raise ProtocolError(f"bulkheadd answered with invalid JSON: {err}", code="protocol") from err
 
     def chunks(self) -> Iterator[bytes]:
-        """The body in pieces as they arrive (each at most 64 KiB); closes at the end."""
+        """The body in pieces as they arrive (each at most 64 KiB); closes at the end. A body
+        cut short (the daemon died, the connection broke) raises
+        :class:`~bulkhead.errors.DaemonUnavailable` rather than ending quietly."""
         try:
             while True:
-                piece = self._raw.read1(_READ_SIZE)
+                try:
+                    piece = self._raw.read1(_READ_SIZE)
+                except (OSError, http.client.HTTPException) as err:
+                    raise DaemonUnavailable(
+                        f"the connection to bulkheadd at {self._conn.path} broke during its "
+                        f"answer: {err!r}",
+                        code="connection_lost",
+                    ) from err
                 if not piece:
                     return
                 yield piece

@@ -34,7 +34,8 @@ class BulkheadError(Exception):
 
 
 class DaemonUnavailable(BulkheadError):
-    """The daemon's socket is missing or refuses connections (is bulkheadd running?)."""
+    """The daemon's socket is missing or refuses connections (is bulkheadd running?), or the
+    connection broke before the answer was complete (code ``connection_lost``)."""
 
 
 class ProtocolError(BulkheadError):

@@ -21,7 +21,7 @@ from urllib.parse import quote, urlencode
 
 from . import _ndjson
 from ._transport import Transport, socket_path
-from .errors import NotFound, ProtocolError, TooLarge
+from .errors import DaemonUnavailable, ExecInterrupted, NotFound, ProtocolError, TooLarge
 from .types import (
     ExecEvent,
     ExecResult,
@@ -314,6 +314,11 @@ class Sandbox:
         )
         try:
             yield from _ndjson.events(response.chunks())
+        except DaemonUnavailable as err:
+            raise ExecInterrupted(
+                f"the exec stream broke before the command's exit status: {err.message}",
+                code="interrupted",
+            ) from err
         finally:
             response.close()
 
