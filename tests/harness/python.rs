@@ -4,7 +4,7 @@
 //! The test host boots an initramfs with the host's glibc libraries and shares host directories
 //! at the same paths, except its own system directories (`/usr/lib` among them). So [`prepare`]
 //! copies the interpreter and its standard library (less its tests, caches and GUI modules:
-//! about 40 MB, once per Python version) into the shared target directory, as a Python home
+//! about 20 MB, once per Python version) into the shared target directory, as a Python home
 //! (`bin/python3`, `lib/python3.X/`), and the interpreter's libraries (its `ldd` list) go into
 //! the initramfs like every other binary's. Extension modules that link more libraries than the
 //! interpreter (`_ssl`, `_sqlite3`) cannot be imported there; the SDK needs none (`http.client`
@@ -31,14 +31,18 @@ stdlib = sysconfig.get_paths()["stdlib"]
 stamp = os.path.join(home, "stamp")
 want = f"{exe} {sys.version}"
 if not os.path.exists(stamp) or open(stamp).read() != want:
-    shutil.rmtree(home, ignore_errors=True)
-    os.makedirs(os.path.join(home, "bin"))
-    shutil.copy(exe, os.path.join(home, "bin", "python3"))
+    # Built beside the home and renamed into place, so that a concurrent run sees either
+    # the old home or the complete new one.
+    new = f"{home}.new-{os.getpid()}"
+    os.makedirs(os.path.join(new, "bin"))
+    shutil.copy(exe, os.path.join(new, "bin", "python3"))
     skip = shutil.ignore_patterns("__pycache__", "test", "tests", "idlelib", "tkinter", "turtledemo",
                                   "lib2to3", "ensurepip", "config-*", "site-packages", "dist-packages")
-    shutil.copytree(stdlib, os.path.join(home, "lib", os.path.basename(stdlib)), ignore=skip)
-    with open(stamp, "w") as f:
+    shutil.copytree(stdlib, os.path.join(new, "lib", os.path.basename(stdlib)), ignore=skip)
+    with open(os.path.join(new, "stamp"), "w") as f:
         f.write(want)
+    shutil.rmtree(home, ignore_errors=True)
+    os.rename(new, home)
 print(exe)
 "#;
 
