@@ -9,7 +9,8 @@ the nested test host where this machine's KVM cannot boot guests) and runs
 - ``BULKHEAD_SDK_TEST_ROOT``: a directory inside the daemon's ``mount_roots``, for the workspace.
 
 By hand: ``BULKHEAD_SOCKET=... BULKHEAD_SDK_TEST_ROOT=... PYTHONPATH=src:. python3 -m unittest
--v tests.integration_real`` in ``sdk/python``. Three sandboxes boot (64-128 MiB each).
+-v tests.integration_real`` in ``sdk/python``. Three sandboxes boot (64-128 MiB each); the
+contract test checks what the SDK sends against the daemon's OpenAPI document.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import os
 import shutil
 import tempfile
 import unittest
-from typing import List
+from typing import Any, Callable, Dict, List, Set, Tuple
 
 import bulkhead
 from bulkhead import Sandbox, Workspace
+from bulkhead._transport import Response, Transport
 
 SOCKET_ENV = "BULKHEAD_SOCKET"
 ROOT_ENV = "BULKHEAD_SDK_TEST_ROOT"
@@ -179,6 +181,79 @@ class OneSandboxTest(unittest.TestCase):
         self.assertEqual((caught.exception.status, caught.exception.code), (404, "not_found"))
         with self.assertRaises(bulkhead.NotFound):
             ghost.exec(["true"])
+
+
+class _Recorded(Exception):
+    """Raised by :class:`_RecordingTransport` in place of sending a request."""
+
+
+class _RecordingTransport(Transport):
+    """Records the JSON bodies the SDK would send, and sends nothing."""
+
+    def __init__(self) -> None:
+        super().__init__("/nonexistent")
+        self.sent: List[Tuple[str, str, Any]] = []
+
+    def request(self, method: str, target: str, **kwargs: Any) -> Response:
+        self.sent.append((method, target, kwargs.get("json_body")))
+        raise _Recorded()
+
+
+class ContractTest(unittest.TestCase):
+    """What the SDK sends matches the daemon's own OpenAPI document (no VM)."""
+
+    def test_every_field_and_route_the_sdk_uses_is_in_the_daemons_openapi_document(self) -> None:
+        # Arrange
+        doc = bulkhead.Client().transport.request("GET", "/openapi.json").json()
+        schemas = doc["components"]["schemas"]
+        recorder = bulkhead.Client()
+        transport = _RecordingTransport()
+        recorder.transport = transport
+        network = bulkhead.Network(
+            mode="allowlist", allow=["a.example"], deny=["b.example"], allow_cidr=["10.0.0.0/8"],
+            rules=[], secrets=[], hosts={"a.example": ["10.0.0.1"]},
+        )
+        everything: Dict[str, Any] = dict(
+            memory_mib=64, vcpus=1, image="debian", disk_mib=64, workspace=Workspace("/p", "clone"),
+            mounts=[bulkhead.Mount("/d", "/d", ro=True)], env={"A": "1"}, ttl=60, network=network,
+            labels={"a": "b"}, cpu_quota=0.5, pids_max=64, kernel="k", hostname="h", workdir="/",
+            user="root", template="t",
+        )
+        sb = Sandbox(bulkhead.SandboxInfo.from_json({"id": "0" * 12, "state": "running", "created_at": "",
+                                                     "vcpus": 1, "memory_mib": 64}), recorder)
+
+        # Act
+        calls: List[Callable[[], object]] = [
+            lambda: Sandbox.create(client=recorder, **everything),
+            lambda: sb.exec(["true"], stdin=b"x", env={"A": b"\xff"}, cwd="/", user="root", timeout=1),
+            lambda: sb.files.write("/x", b""),
+            lambda: sb.files.read("/x"),
+            lambda: sb.diff(),
+            lambda: sb.export("/dev/null"),
+            lambda: sb.logs(),
+            lambda: sb.pause(),
+            lambda: sb.resume(),
+            lambda: sb.kill(),
+            lambda: Sandbox.list(client=recorder),
+        ]
+        for call in calls:
+            with self.assertRaises(_Recorded):
+                call()
+        sent = transport.sent
+
+        # Assert
+        def keys(name: str) -> Set[str]:
+            return set(schemas[name]["properties"])
+
+        create = sent[0][2]
+        self.assertEqual(set(create), keys("CreateSandbox"))  # every field, and only those
+        self.assertLessEqual(set(create["workspace"]), keys("WorkspaceSpec"))
+        self.assertLessEqual(set(create["mounts"][0]), keys("MountSpec"))
+        self.assertLessEqual(set(create["network"]), keys("NetworkRequest"))
+        self.assertLessEqual(set(sent[1][2]), keys("ExecSpec"))
+        for method, target, _ in sent:
+            path = target.split("?", 1)[0].replace("0" * 12, "{id}")
+            self.assertIn(method.lower(), doc["paths"].get(path, {}), f"{method} {path}")
 
 
 class LifecycleTest(unittest.TestCase):
