@@ -23,13 +23,18 @@
 
 #![deny(missing_docs)]
 
+pub mod archive;
 pub mod boot;
 pub mod client;
 pub mod frame;
+pub mod fsops;
 pub mod messages;
 pub mod workspace;
 
 pub use frame::{read_frame, write_frame, Frame, FrameDecoder, FrameError, FrameType};
+pub use fsops::{
+    ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FileType, FsOp, FsRequest,
+};
 pub use messages::{
     Ack, BootTimestamps, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest,
     FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started,
