@@ -34,7 +34,7 @@ mod unpack;
 use std::io;
 
 pub use pack::{pack, PackOptions};
-pub use path::{open_dir_nofollow, EntryName};
+pub use path::{open_dir, open_dir_nofollow, EntryName};
 pub use unpack::{unpack, UnpackOptions};
 
 /// Longest entry name or symlink target accepted, in bytes (Linux `PATH_MAX`).

@@ -132,7 +132,7 @@ pub(crate) fn lstat_at(dir: &OwnedFd, name: &CStr) -> io::Result<libc::stat> {
 pub fn open_dir_nofollow(path: &Path) -> Result<OwnedFd, ArchiveError> {
     let shown = path.display().to_string();
     let start = if path.is_absolute() { "/" } else { "." };
-    let mut dir = open_plain_dir(Path::new(start)).map_err(|source| ArchiveError::Io {
+    let mut dir = open_dir(Path::new(start)).map_err(|source| ArchiveError::Io {
         op: "open directory",
         path: start.to_owned(),
         source,
@@ -157,8 +157,9 @@ pub fn open_dir_nofollow(path: &Path) -> Result<OwnedFd, ArchiveError> {
     Ok(dir)
 }
 
-/// Opens a directory, following symlinks (the guest's destination path).
-pub(crate) fn open_plain_dir(path: &Path) -> io::Result<OwnedFd> {
+/// Opens a directory, following symlinks (for a destination the caller trusts, such as the
+/// guest's own path).
+pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
