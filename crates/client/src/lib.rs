@@ -19,6 +19,7 @@
 #![deny(missing_docs)]
 
 mod exec;
+mod files;
 mod http;
 pub mod types;
 pub mod workspace;
@@ -31,10 +32,12 @@ use bytes::Bytes;
 use hyper::{Method, StatusCode};
 
 pub use exec::{ExecEvent, ExecOutput, ExecStream};
+pub use files::PATH_NOT_FOUND;
 pub use types::{
-    CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo, Failure,
-    FileWritten, Health, Limits, NetworkRequest, NetworkRule, PoolStatus, SandboxInfo,
-    SandboxState, SecretRef, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
+    ArchiveWritten, CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec,
+    ExitInfo, Failure, FileInfo, FileKind, FileList, FileWritten, Health, Limits, NetworkRequest,
+    NetworkRule, PoolStatus, SandboxInfo, SandboxState, SecretRef, SkippedFile,
+    MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 pub use workspace::{
     ChangeKind, ChangeStatus, ExportFormat, ExportReview, MountSpec, SkippedPath, WorkspaceChange,

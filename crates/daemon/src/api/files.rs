@@ -108,7 +108,7 @@ pub async fn get_file(
         .into_response())
 }
 
-fn tokio_stream_of<T: Send + 'static>(
+pub(super) fn tokio_stream_of<T: Send + 'static>(
     rx: mpsc::Receiver<T>,
 ) -> impl futures_util::Stream<Item = T> {
     futures_util::stream::unfold(rx, |mut rx| async move {
@@ -117,8 +117,8 @@ fn tokio_stream_of<T: Send + 'static>(
 }
 
 /// Writes each chunk into the channel (blocking): the agent reader's sink.
-struct ChannelSink {
-    tx: mpsc::Sender<Result<Bytes, ApiError>>,
+pub(super) struct ChannelSink {
+    pub(super) tx: mpsc::Sender<Result<Bytes, ApiError>>,
 }
 
 impl Write for ChannelSink {
@@ -135,7 +135,7 @@ impl Write for ChannelSink {
 }
 
 /// The request body as a byte stream that fails (setting `over`) past `limit` bytes.
-fn limited(
+pub(super) fn limited(
     body: Body,
     limit: u64,
     over: Arc<AtomicBool>,
@@ -159,7 +159,7 @@ fn too_large(limit: u64) -> ApiError {
 }
 
 /// The `path` query parameter: absolute, no `..` components, no NUL, at most 4096 bytes.
-fn guest_path(query: Option<&str>) -> Result<String, ApiError> {
+pub(super) fn guest_path(query: Option<&str>) -> Result<String, ApiError> {
     let path = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
         .find(|(k, _)| k == "path")
         .map(|(_, v)| v.into_owned())
