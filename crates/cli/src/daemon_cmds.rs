@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bulkhead_client::{
@@ -153,18 +153,24 @@ fn timeout_secs(s: &str) -> Result<f64, String> {
     crate::run::parse_positive_seconds(s).map(|d| d.as_secs_f64())
 }
 
-/// `bulkhead cp`: copy a file into (`cp FILE ID:/path`) or out of (`cp ID:/path FILE`) a sandbox.
+/// `bulkhead cp`: copy a file into (`cp FILE ID:/path`) or out of (`cp ID:/path FILE`) a
+/// sandbox; with `-r`, a directory tree too.
 #[derive(Debug, clap::Args)]
 pub struct CpArgs {
     #[command(flatten)]
     daemon: DaemonOpts,
-    /// Permission bits of the guest file when copying in (octal).
+    /// Permission bits of the guest file when copying in (octal; not with -r, which keeps the
+    /// source's modes).
     #[arg(long, value_name = "OCTAL", default_value = "644", value_parser = octal)]
     mode: u32,
-    /// Source: a local file (`-` for stdin) or `ID:/path`.
-    src: String,
-    /// Destination: a local file (`-` for stdout) or `ID:/path`.
-    dst: String,
+    /// Copy directories recursively (as a tar stream): modes, symlinks (as links), empty
+    /// directories and holes of sparse files are kept.
+    #[arg(short = 'r', short_alias = 'R', long)]
+    recursive: bool,
+    /// Source: a local file or directory (`-` for stdin) or `ID:/path`.
+    src: std::ffi::OsString,
+    /// Destination: a local file or directory (`-` for stdout) or `ID:/path`.
+    dst: std::ffi::OsString,
 }
 
 /// `bulkhead rm`: destroy sandboxes.
@@ -465,25 +471,34 @@ fn exit_code(exit: &bulkhead_client::ExitInfo) -> u8 {
 }
 
 /// `ID:/path` → (ID, /path).
-fn remote(spec: &str) -> Option<(&str, &str)> {
-    let (id, path) = spec.split_once(':')?;
+fn remote(spec: &std::ffi::OsStr) -> Option<(&str, &str)> {
+    let (id, path) = spec.to_str()?.split_once(':')?;
     (!id.is_empty() && !id.contains('/') && path.starts_with('/')).then_some((id, path))
 }
 
 /// `bulkhead cp`.
 pub fn cp(args: CpArgs) -> ExitCode {
+    if args.recursive {
+        return cp_recursive(args);
+    }
     block_on(async move {
         let client = args.daemon.client();
+        let (src_shown, dst_shown) = (args.src.to_string_lossy(), args.dst.to_string_lossy());
         match (remote(&args.src), remote(&args.dst)) {
             (None, Some((id, path))) => {
-                let data = match args.src.as_str() {
-                    "-" => {
+                let data = match args.src.as_encoded_bytes() {
+                    b"-" => {
                         let mut buf = Vec::new();
                         std::io::stdin().read_to_end(&mut buf).map(|_| buf)
                     }
-                    local => std::fs::read(local),
+                    _ if Path::new(&args.src).is_dir() => {
+                        return Err(format!(
+                            "{src_shown} is a directory (not copied): use bulkhead cp -r"
+                        ))
+                    }
+                    _ => std::fs::read(&args.src),
                 }
-                .map_err(|e| format!("{}: {e}", args.src))?;
+                .map_err(|e| format!("{src_shown}: {e}"))?;
                 client
                     .write_file(id, path, args.mode, data)
                     .await
@@ -491,19 +506,45 @@ pub fn cp(args: CpArgs) -> ExitCode {
                 Ok(0)
             }
             (Some((id, path)), None) => {
-                let data = client
-                    .read_file(id, path)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                match args.dst.as_str() {
-                    "-" => std::io::stdout().write_all(&data),
-                    local => std::fs::write(local, &data),
+                let data = client.read_file(id, path).await.map_err(|e| {
+                    let hint = if e.to_string().contains("not a regular file") {
+                        " (for a directory use bulkhead cp -r)"
+                    } else {
+                        ""
+                    };
+                    format!("{e}{hint}")
+                })?;
+                match args.dst.as_encoded_bytes() {
+                    b"-" => std::io::stdout().write_all(&data),
+                    _ => std::fs::write(&args.dst, &data),
                 }
-                .map_err(|e| format!("{}: {e}", args.dst))?;
+                .map_err(|e| format!("{dst_shown}: {e}"))?;
                 Ok(0)
             }
             _ => Err("exactly one of SRC and DST must be ID:/absolute/path".into()),
         }
+    })
+}
+
+/// `bulkhead cp -r`: trees as tar streams (see [`crate::cp_dir`]).
+fn cp_recursive(args: CpArgs) -> ExitCode {
+    block_on(async move {
+        let client = args.daemon.client();
+        if args.src == "-" || args.dst == "-" {
+            return Err(
+                "cp -r copies between paths: '-' (stdin, stdout) is for single files".into(),
+            );
+        }
+        let result = match (remote(&args.src), remote(&args.dst)) {
+            (None, Some((id, path))) => {
+                crate::cp_dir::copy_in(&client, Path::new(&args.src), id, path).await
+            }
+            (Some((id, path)), None) => {
+                crate::cp_dir::copy_out(&client, id, path, Path::new(&args.dst)).await
+            }
+            _ => return Err("exactly one of SRC and DST must be ID:/absolute/path".into()),
+        };
+        result.or_else(crate::cp_dir::CpError::into_exit)
     })
 }
 
@@ -726,9 +767,9 @@ mod tests {
     #[test]
     fn remote_paths_need_an_id_and_an_absolute_path() {
         // Arrange / Act / Assert
-        assert_eq!(remote("abc:/tmp/x"), Some(("abc", "/tmp/x")));
-        assert_eq!(remote("./local:file"), None);
-        assert_eq!(remote("abc:relative"), None);
-        assert_eq!(remote("/abs/path"), None);
+        assert_eq!(remote("abc:/tmp/x".as_ref()), Some(("abc", "/tmp/x")));
+        assert_eq!(remote("./local:file".as_ref()), None);
+        assert_eq!(remote("abc:relative".as_ref()), None);
+        assert_eq!(remote("/abs/path".as_ref()), None);
     }
 }
