@@ -14,6 +14,10 @@
 //! already in the pipes are sent. With `kill_group_on_exit` (`docker run` semantics) the
 //! leader's exit ends the run the same way: the rest of its group is killed and `Exit`
 //! follows the bytes already in the pipes, whoever else still holds them open.
+//!
+//! A `tty` exec has one output, the terminal's master, whose end of file is the `EIO` a read
+//! gets once every slave descriptor is closed; `Resize` frames set its size and `StdinEof`
+//! types its end-of-file character.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -26,6 +30,7 @@ use bulkhead_protocol::{
 
 use crate::conn::Conn;
 use crate::log;
+use crate::pty;
 use crate::reaper::ExitWatch;
 use crate::spawn::{self, Outcome, Spawned};
 
@@ -199,6 +204,8 @@ struct ExecLoop {
     out: OutQueue,
     stdin: Option<StdinPipe>,
     outputs: [Option<OutputPipe>; 2],
+    /// The terminal's master of a `tty` exec.
+    terminal: Option<OwnedFd>,
     exit: ExitWatch,
     status: Option<libc::c_int>,
     pgid: libc::pid_t,
@@ -245,8 +252,12 @@ impl ExecLoop {
             stdin,
             outputs: [
                 Some(output(child.stdout, FrameType::Stdout)?),
-                Some(output(child.stderr, FrameType::Stderr)?),
+                child
+                    .stderr
+                    .map(|fd| output(fd, FrameType::Stderr))
+                    .transpose()?,
             ],
+            terminal: child.terminal,
             exit: child.exit,
             status: None,
             pgid: child.pid,
@@ -417,9 +428,17 @@ impl ExecLoop {
                     stdin.pending.extend_from_slice(&bytes);
                 }
             }
-            Frame::StdinEof => {
-                if let Some(stdin) = self.stdin.as_mut() {
-                    stdin.close_when_drained = true;
+            Frame::StdinEof => match (self.stdin.as_mut(), &self.terminal) {
+                // A terminal's input does not end; end of file is a character typed.
+                (Some(stdin), Some(master)) => stdin.pending.push(pty::eof_char(master)),
+                (Some(stdin), None) => stdin.close_when_drained = true,
+                (None, _) => {}
+            },
+            Frame::Resize(size) => {
+                if let Some(master) = &self.terminal {
+                    if let Err(e) = pty::resize(master, size) {
+                        log!("exec pid {}: resizing its terminal: {e}", self.pgid);
+                    }
                 }
             }
             Frame::Signal(s) if (1..=64).contains(&s.signo) => kill_group(self.pgid, s.signo),

@@ -9,6 +9,7 @@
 //! clone workspace `bulkhead.workspace=TAG:DIR:clone` asks for ([`workspace`]): a read-only
 //! share under a private overlay, whose change set it reports on request ([`changes`]). With
 //! `bulkhead.egress=on` it relays `127.0.0.1:3128` to the host's egress proxy ([`egress`]).
+//! A `tty` exec runs on a pseudo-terminal ([`pty`]).
 //! After the VM is restored from a snapshot the host says so, and the agent makes the clone a
 //! machine of its own: fresh entropy, the current time, maybe a new hostname ([`restore`]).
 //!
@@ -27,6 +28,7 @@ pub mod fsops;
 pub mod init;
 pub mod log;
 pub mod mounts;
+pub mod pty;
 pub mod reaper;
 pub mod restore;
 pub mod rootfs;

@@ -1,14 +1,18 @@
 //! Turning an [`ExecRequest`] into a running process: validation, environment, user, cwd,
-//! a new session (so pid = pgid = sid), and pipes for stdio.
+//! a new session (so pid = pgid = sid), and pipes (or a pseudo-terminal, [`crate::pty`]) for
+//! stdio.
 
+use std::ffi::OsStr;
 use std::io;
 use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use bulkhead_protocol::{ErrorCode, ExecRequest, PROTOCOL_VERSION};
+use bulkhead_protocol::{ByteString, ErrorCode, ExecRequest, PROTOCOL_VERSION};
 
+use crate::pty::Pty;
 use crate::reaper::{self, ExitWatch, ReaperError};
 use crate::user::{self, UserError};
 
@@ -30,15 +34,15 @@ pub enum SpawnError {
     /// `argv` is empty.
     #[error("argv is empty")]
     EmptyArgv,
-    /// `tty: true` (not supported in this version).
-    #[error("tty is not supported by this agent")]
-    Tty,
+    /// No pseudo-terminal could be opened for a `tty` exec.
+    #[error("opening a pseudo-terminal: {0}")]
+    Tty(io::Error),
     /// An `env` entry without `=` or with an empty name.
     #[error("bad env entry {0:?}: expected KEY=VALUE")]
-    BadEnv(String),
+    BadEnv(ByteString),
     /// `cwd` is not an existing directory.
     #[error("cwd {0:?} is not an existing directory")]
-    BadCwd(String),
+    BadCwd(ByteString),
     /// `user` could not be resolved.
     #[error(transparent)]
     User(#[from] UserError),
@@ -57,8 +61,8 @@ impl SpawnError {
     pub fn code(&self) -> ErrorCode {
         match self {
             SpawnError::Version(_) => ErrorCode::UnsupportedVersion,
+            SpawnError::Tty(e) => ErrorCode::of_io(e),
             SpawnError::EmptyArgv
-            | SpawnError::Tty
             | SpawnError::BadEnv(_)
             | SpawnError::BadCwd(_)
             | SpawnError::User(_) => ErrorCode::InvalidRequest,
@@ -76,12 +80,15 @@ impl SpawnError {
 pub struct Spawned {
     /// Its pid, which is also its process group and session id.
     pub pid: libc::pid_t,
-    /// Write end of its stdin pipe, when the request asked for stdin.
+    /// Write end of its stdin pipe (with a tty: the terminal's master), when the request asked
+    /// for stdin.
     pub stdin: Option<OwnedFd>,
-    /// Read end of its stdout pipe.
+    /// Read end of its stdout pipe (with a tty: the master, the terminal's one output).
     pub stdout: OwnedFd,
-    /// Read end of its stderr pipe.
-    pub stderr: OwnedFd,
+    /// Read end of its stderr pipe; `None` with a tty.
+    pub stderr: Option<OwnedFd>,
+    /// The terminal's master with a tty (for `Resize` and the end-of-file character).
+    pub terminal: Option<OwnedFd>,
     /// Where its wait status arrives.
     pub exit: ExitWatch,
 }
@@ -104,18 +111,67 @@ pub enum Outcome {
 /// Validates `req`, builds the command and starts it.
 pub fn spawn(req: &ExecRequest) -> Result<Outcome, SpawnError> {
     let mut cmd = build_command(req)?;
-    let program = req.argv[0].clone();
-    match reaper::spawn(&mut cmd) {
-        Ok((mut child, exit)) => Ok(Outcome::Running(Spawned {
-            pid: child.id() as libc::pid_t,
+    let pty = match req.tty {
+        true => Some(open_terminal(req, &mut cmd)?),
+        false => None,
+    };
+    let program = req.argv[0].to_string_lossy().into_owned();
+    let (mut child, exit) = match reaper::spawn(&mut cmd) {
+        Ok(spawned) => spawned,
+        Err(ReaperError::Spawn(e)) => return not_runnable(&program, e),
+        Err(source) => return Err(SpawnError::Spawn { program, source }),
+    };
+    // The parent's copies of the slave (held by `cmd`) must go, or the master never sees EIO.
+    drop(cmd);
+    let pid = child.id() as libc::pid_t;
+    let spawned = match pty {
+        Some(pty) => Spawned {
+            pid,
+            stdin: match req.stdin {
+                true => Some(pty.master.try_clone().map_err(pty_error)?),
+                false => None,
+            },
+            stdout: pty.master.try_clone().map_err(pty_error)?,
+            stderr: None,
+            terminal: Some(pty.master),
+            exit,
+        },
+        None => Spawned {
+            pid,
             stdin: child.stdin.take().map(OwnedFd::from),
             stdout: child.stdout.take().map(OwnedFd::from).ok_or_else(no_pipe)?,
-            stderr: child.stderr.take().map(OwnedFd::from).ok_or_else(no_pipe)?,
+            stderr: Some(child.stderr.take().map(OwnedFd::from).ok_or_else(no_pipe)?),
+            terminal: None,
             exit,
-        })),
-        Err(ReaperError::Spawn(e)) => not_runnable(&program, e),
-        Err(source) => Err(SpawnError::Spawn { program, source }),
+        },
+    };
+    Ok(Outcome::Running(spawned))
+}
+
+/// Opens the pseudo-terminal of a `tty` request and makes it `cmd`'s stdio and controlling
+/// terminal; adds `TERM=xterm` unless the request names a `TERM`.
+fn open_terminal(req: &ExecRequest, cmd: &mut Command) -> Result<Pty, SpawnError> {
+    let pty = Pty::open(req.window.unwrap_or_default()).map_err(SpawnError::Tty)?;
+    pty.attach(cmd).map_err(SpawnError::Tty)?;
+    if !has_var(req, "TERM") {
+        cmd.env("TERM", "xterm");
     }
+    Ok(pty)
+}
+
+fn pty_error(e: io::Error) -> SpawnError {
+    SpawnError::Spawn {
+        program: String::new(),
+        source: ReaperError::Spawn(e),
+    }
+}
+
+/// True when the request's environment sets `name`.
+fn has_var(req: &ExecRequest, name: &str) -> bool {
+    req.env.iter().any(|e| {
+        let bytes = e.as_bytes();
+        bytes.len() > name.len() && bytes.starts_with(name.as_bytes()) && bytes[name.len()] == b'='
+    })
 }
 
 fn no_pipe() -> SpawnError {
@@ -148,17 +204,21 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
     let mut cmd = Command::new(&req.argv[0]);
     cmd.args(&req.argv[1..]).env_clear();
     for entry in &req.env {
-        match entry.split_once('=') {
-            Some((key, value)) if !key.is_empty() => cmd.env(key, value),
+        let bytes = entry.as_bytes();
+        match bytes.iter().position(|&b| b == b'=') {
+            Some(eq) if eq > 0 => cmd.env(
+                OsStr::from_bytes(&bytes[..eq]),
+                OsStr::from_bytes(&bytes[eq + 1..]),
+            ),
             _ => return Err(SpawnError::BadEnv(entry.clone())),
         };
     }
-    if !req.env.iter().any(|e| e.starts_with("PATH=")) {
+    if !has_var(req, "PATH") {
         cmd.env("PATH", DEFAULT_PATH);
     }
-    let cwd = req.cwd.as_deref().unwrap_or("/");
+    let cwd = req.cwd.as_ref().map_or(OsStr::new("/"), |c| c.as_os_str());
     if !Path::new(cwd).is_dir() {
-        return Err(SpawnError::BadCwd(cwd.to_owned()));
+        return Err(SpawnError::BadCwd(cwd.into()));
     }
     cmd.current_dir(cwd);
     if let Some(spec) = &req.user {
@@ -166,7 +226,7 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
         let ids = user::resolve(spec, &passwd)?;
         // The user's own HOME unless the request names one (without a user, root's
         // environment is the request's alone).
-        if !req.env.iter().any(|e| e.starts_with("HOME=")) {
+        if !has_var(req, "HOME") {
             cmd.env("HOME", user::home_of(ids.uid, &passwd));
         }
         cmd.uid(ids.uid).gid(ids.gid);
@@ -215,9 +275,6 @@ fn validate(req: &ExecRequest) -> Result<(), SpawnError> {
     if req.argv.is_empty() {
         return Err(SpawnError::EmptyArgv);
     }
-    if req.tty {
-        return Err(SpawnError::Tty);
-    }
     Ok(())
 }
 
@@ -244,7 +301,7 @@ mod tests {
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         let mut req = ExecRequest::new(["sh", "-c", "echo \"$HOME\""]);
         req.user = Some(format!("{uid}:{gid}"));
-        req.env = env.iter().map(|e| (*e).to_owned()).collect();
+        req.env = env.iter().map(|e| (*e).into()).collect();
         (req, uid)
     }
 

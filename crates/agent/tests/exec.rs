@@ -331,7 +331,7 @@ fn cwd_and_env_are_applied_and_nothing_else_is_inherited() {
     let agent = Agent::start();
     let cwd = agent.dir().canonicalize().unwrap();
     let mut req = sh("pwd; echo \"$FOO|${HOME-unset}\"; echo \"$PATH\"");
-    req.cwd = Some(cwd.to_str().unwrap().to_owned());
+    req.cwd = Some(cwd.as_os_str().into());
     req.env = vec!["FOO=bar=baz".into()];
 
     // Act

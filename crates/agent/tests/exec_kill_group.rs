@@ -143,7 +143,7 @@ fn big_pipe_writer_request(go: &Path) -> ExecRequest {
         "big_pipe_writer",
         "--ignored",
     ]);
-    req.env = vec![format!("{WRITER_ENV}={}", go.display())];
+    req.env = vec![format!("{WRITER_ENV}={}", go.display()).into()];
     req.kill_group_on_exit = true;
     req
 }

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bulkhead_client::{
-    Client, CreateSandbox, ExecEvent, ExecSpec, NetworkRequest, NetworkRule, SandboxInfo,
-    SecretRef, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
+    ByteString, Client, CreateSandbox, ExecEvent, ExecSpec, NetworkRequest, NetworkRule,
+    SandboxInfo, SecretRef, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 use bulkhead_sandbox::{Mount, Workspace};
 
@@ -124,9 +124,10 @@ pub struct LsArgs {
 pub struct ExecArgs {
     #[command(flatten)]
     daemon: DaemonOpts,
-    /// Environment variable (repeatable).
-    #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = key_value)]
-    env: Vec<(String, String)>,
+    /// Environment variable (repeatable; the value may be any bytes).
+    #[arg(short = 'e', long = "env", value_name = "K=V",
+        value_parser = clap::builder::TypedValueParser::try_map(clap::builder::OsStringValueParser::new(), crate::run::parse_env))]
+    env: Vec<(String, ByteString)>,
     /// Working directory in the guest.
     #[arg(long, value_name = "DIR")]
     workdir: Option<String>,
@@ -143,9 +144,10 @@ pub struct ExecArgs {
     /// The sandbox: its ID, or a prefix of it that no other sandbox's ID starts with.
     #[arg(value_parser = clap::builder::NonEmptyStringValueParser::new())]
     id: String,
-    /// The command and its arguments.
-    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
-    command: Vec<String>,
+    /// The command and its arguments (any bytes: Linux argv is not UTF-8).
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD",
+        value_parser = clap::value_parser!(std::ffi::OsString))]
+    command: Vec<std::ffi::OsString>,
 }
 
 /// `exec --timeout`: seconds as `bulkhead run --timeout` takes them (at least 0.001).
@@ -396,7 +398,7 @@ pub fn exec(args: ExecArgs) -> ExitCode {
     block_on(async move {
         let mut spec = ExecSpec::new(args.command);
         spec.env = args.env.into_iter().collect();
-        spec.cwd = args.workdir;
+        spec.cwd = args.workdir.map(ByteString::from);
         spec.user = args.user;
         spec.timeout_s = args.timeout;
         if args.stdin {

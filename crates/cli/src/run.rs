@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use bulkhead_protocol::client::{ExecEvent, ExecWriter, DEFAULT_TIMEOUT};
-use bulkhead_protocol::{ExecRequest, ExitStatus};
+use bulkhead_protocol::{ByteString, ExecRequest, ExitStatus};
 use bulkhead_sandbox::spec::{self, new_id};
 use bulkhead_sandbox::storage::MIN_SCRATCH_MIB;
 use bulkhead_sandbox::{
@@ -78,9 +78,10 @@ pub struct RunArgs {
         conflicts_with_all = TEMPLATE_CONFLICTS
     )]
     pub(crate) template: Option<String>,
-    /// Environment variable for the command (repeatable).
-    #[arg(short = 'e', long = "env", value_name = "K=V", value_parser = parse_env)]
-    env: Vec<String>,
+    /// Environment variable for the command (repeatable; the value may be any bytes).
+    #[arg(short = 'e', long = "env", value_name = "K=V",
+        value_parser = clap::builder::TypedValueParser::try_map(clap::builder::OsStringValueParser::new(), parse_env))]
+    env: Vec<(String, ByteString)>,
     /// Working directory in the guest [default: /workspace with --workspace, else /].
     #[arg(long, value_name = "DIR")]
     workdir: Option<String>,
@@ -156,15 +157,26 @@ pub struct RunArgs {
     /// bytes) in FILE; without it the log goes with the sandbox.
     #[arg(long = "egress-log", value_name = "FILE")]
     egress_log: Option<PathBuf>,
-    /// The command and its arguments.
-    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
-    command: Vec<String>,
+    /// The command and its arguments (any bytes: Linux argv is not UTF-8).
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD",
+        value_parser = clap::value_parser!(OsString))]
+    command: Vec<OsString>,
 }
 
-fn parse_env(s: &str) -> Result<String, String> {
-    match s.split_once('=') {
-        Some((k, _)) if !k.is_empty() && !k.contains('\0') => Ok(s.to_owned()),
-        _ => Err(format!("`{s}` is not KEY=VALUE")),
+/// `-e KEY=VALUE`: a UTF-8 name without NUL, and a value of any bytes.
+pub(crate) fn parse_env(s: OsString) -> Result<(String, ByteString), String> {
+    let bytes = s.as_encoded_bytes();
+    let Some(eq) = bytes.iter().position(|&b| b == b'=') else {
+        return Err(format!("`{}` is not KEY=VALUE", s.to_string_lossy()));
+    };
+    match std::str::from_utf8(&bytes[..eq]) {
+        Ok(key) if !key.is_empty() && !key.contains('\0') => {
+            Ok((key.to_owned(), ByteString::from(&bytes[eq + 1..])))
+        }
+        _ => Err(format!(
+            "`{}` is not KEY=VALUE with a UTF-8 name",
+            s.to_string_lossy()
+        )),
     }
 }
 
@@ -504,11 +516,12 @@ fn shell_quote(word: &str) -> String {
 /// A malformed network flag or policy file.
 pub(crate) fn sandbox_spec(args: &RunArgs) -> Result<SandboxSpec, String> {
     let (network, extra_hosts) = args.network.spec()?;
+    // Values that are not UTF-8 cannot be part of a spec (TOML/JSON text); they go into the
+    // command's own environment instead (`exec_request`), which the agent applies the same way.
     let env = args
         .env
         .iter()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .filter_map(|(k, v)| Some((k.clone(), v.to_str()?.to_owned())))
         .collect();
     Ok(SandboxSpec {
         image: args.image.as_deref().map(image_ref),
@@ -622,7 +635,13 @@ fn testhost_hint_with(
 /// The command's request: the sandbox's command defaults ([`ExecDefaults::request`]) with our
 /// stdin forwarded, `--timeout`, and the end of `docker run`.
 pub(crate) fn exec_request(args: &RunArgs, defaults: &ExecDefaults) -> ExecRequest {
-    let mut request = defaults.request(args.command.clone(), &Default::default(), None, None);
+    let bytes_only = args
+        .env
+        .iter()
+        .filter(|(_, v)| v.to_str().is_none())
+        .cloned()
+        .collect();
+    let mut request = defaults.request(args.command.clone(), &bytes_only, None, None);
     request.stdin = true;
     request.timeout_ms = args
         .timeout

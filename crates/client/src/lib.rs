@@ -34,9 +34,9 @@ use hyper::{Method, StatusCode};
 pub use exec::{ExecEvent, ExecOutput, ExecStream};
 pub use files::PATH_NOT_FOUND;
 pub use types::{
-    ArchiveWritten, CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec,
-    ExitInfo, Failure, FileInfo, FileKind, FileList, FileWritten, Health, Limits, NetworkRequest,
-    NetworkRule, PoolStatus, SandboxInfo, SandboxState, SecretRef, SkippedFile,
+    ArchiveWritten, ByteString, CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult,
+    ExecSpec, ExitInfo, Failure, FileInfo, FileKind, FileList, FileWritten, Health, Limits,
+    NetworkRequest, NetworkRule, PoolStatus, SandboxInfo, SandboxState, SecretRef, SkippedFile,
     MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 pub use workspace::{

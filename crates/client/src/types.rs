@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use bulkhead_protocol::ByteString;
+
 use crate::workspace::{MountSpec, WorkspaceSpec};
 
 /// Largest JSON request body bulkheadd accepts, bytes (1 MiB); a larger one is refused with
@@ -332,14 +334,15 @@ pub struct SandboxInfo {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExecSpec {
-    /// Program and arguments; `argv[0]` is looked up in `PATH` when it has no `/`.
-    pub argv: Vec<String>,
-    /// Environment added to (and overriding) the sandbox's.
+    /// Program and arguments; `argv[0]` is looked up in `PATH` when it has no `/`. Each is a
+    /// JSON string, or `{"base64": "..."}` for bytes that are not UTF-8 (Linux argv is bytes).
+    pub argv: Vec<ByteString>,
+    /// Environment added to (and overriding) the sandbox's; values as `argv`'s entries.
     #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    /// Absolute working directory in the guest; `/` when absent.
+    pub env: BTreeMap<String, ByteString>,
+    /// Absolute working directory in the guest (a string or `{"base64": ...}`); `/` when absent.
     #[serde(default)]
-    pub cwd: Option<String>,
+    pub cwd: Option<ByteString>,
     /// Guest user: name, uid or uid:gid; root when absent.
     #[serde(default)]
     pub user: Option<String>,
@@ -357,7 +360,7 @@ impl ExecSpec {
     pub fn new<I, S>(argv: I) -> Self
     where
         I: IntoIterator<Item = S>,
-        S: Into<String>,
+        S: Into<ByteString>,
     {
         ExecSpec {
             argv: argv.into_iter().map(Into::into).collect(),

@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::fsops::{ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FsRequest};
 use crate::messages::{
     Ack, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest,
-    Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started,
+    Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started, WindowSize,
 };
 use crate::workspace::{ChangeRecord, ChangesEnd, WorkspaceChangesRequest};
 use crate::MAX_FRAME;
@@ -114,6 +114,8 @@ pub enum FrameType {
     Stderr = 0x15,
     /// Guest → host, JSON [`ExitStatus`]; last frame of an exec.
     Exit = 0x16,
+    /// Host → guest, JSON [`WindowSize`]: the terminal of a `tty` exec changed size.
+    Resize = 0x17,
     /// Either way, raw file contents.
     Data = 0x20,
     /// Either way, empty: end of file contents.
@@ -133,7 +135,7 @@ pub enum FrameType {
 }
 
 impl FrameType {
-    const ALL: [FrameType; 25] = [
+    const ALL: [FrameType; 26] = [
         Self::Ready,
         Self::Exec,
         Self::FileWrite,
@@ -151,6 +153,7 @@ impl FrameType {
         Self::Stdout,
         Self::Stderr,
         Self::Exit,
+        Self::Resize,
         Self::Data,
         Self::End,
         Self::Ack,
@@ -220,6 +223,8 @@ pub enum Frame {
     Stderr(Vec<u8>),
     /// See [`FrameType::Exit`].
     Exit(ExitStatus),
+    /// See [`FrameType::Resize`].
+    Resize(WindowSize),
     /// See [`FrameType::Data`].
     Data(Vec<u8>),
     /// See [`FrameType::End`].
@@ -264,6 +269,7 @@ impl Frame {
             Self::Stdout(_) => FrameType::Stdout,
             Self::Stderr(_) => FrameType::Stderr,
             Self::Exit(_) => FrameType::Exit,
+            Self::Resize(_) => FrameType::Resize,
             Self::Data(_) => FrameType::Data,
             Self::End => FrameType::End,
             Self::Ack(_) => FrameType::Ack,
@@ -297,6 +303,7 @@ impl Frame {
             Self::Started(m) => encode_json(FrameType::Started, m, out),
             Self::Signal(m) => encode_json(FrameType::Signal, m, out),
             Self::Exit(m) => encode_json(FrameType::Exit, m, out),
+            Self::Resize(m) => encode_json(FrameType::Resize, m, out),
             Self::Ack(m) => encode_json(FrameType::Ack, m, out),
             Self::Change(m) => encode_json(FrameType::Change, m, out),
             Self::ChangesEnd(m) => encode_json(FrameType::ChangesEnd, m, out),
@@ -341,6 +348,7 @@ impl Frame {
             FrameType::Started => Self::Started(json(kind, &payload)?),
             FrameType::Signal => Self::Signal(json(kind, &payload)?),
             FrameType::Exit => Self::Exit(json(kind, &payload)?),
+            FrameType::Resize => Self::Resize(json(kind, &payload)?),
             FrameType::Ack => Self::Ack(json(kind, &payload)?),
             FrameType::Change => Self::Change(json(kind, &payload)?),
             FrameType::ChangesEnd => Self::ChangesEnd(json(kind, &payload)?),

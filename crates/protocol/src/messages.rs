@@ -8,7 +8,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::PROTOCOL_VERSION;
+use crate::{ByteString, PROTOCOL_VERSION};
 
 /// A pair of guest clock readings, in nanoseconds since the clock's epoch.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,22 +38,23 @@ pub struct Ready {
 pub struct ExecRequest {
     /// Must be [`crate::PROTOCOL_VERSION`].
     pub version: u32,
-    /// Program and arguments; `argv[0]` is looked up in the request's `PATH` when it has no `/`.
-    pub argv: Vec<String>,
-    /// The whole environment as `KEY=VALUE` strings (nothing is inherited from the agent).
+    /// Program and arguments (byte strings: Linux argv is not UTF-8); `argv[0]` is looked up in
+    /// the request's `PATH` when it has no `/`.
+    pub argv: Vec<ByteString>,
+    /// The whole environment as `KEY=VALUE` byte strings (nothing is inherited from the agent).
     /// When no `PATH=` entry is given the agent adds
     /// `PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin`.
     #[serde(default)]
-    pub env: Vec<String>,
+    pub env: Vec<ByteString>,
     /// Working directory (absolute); `/` when absent.
     #[serde(default)]
-    pub cwd: Option<String>,
+    pub cwd: Option<ByteString>,
     /// `name` (looked up in the guest's `/etc/passwd`), `uid` or `uid:gid`; the agent's own
     /// user (root) when absent.
     #[serde(default)]
     pub user: Option<String>,
     /// When true the host sends `Stdin` frames and a final `StdinEof`; when false the command's
-    /// stdin is `/dev/null`.
+    /// stdin is `/dev/null` (or, with `tty`, the terminal gets no input).
     #[serde(default)]
     pub stdin: bool,
     /// Wall-clock limit in ms from the start of the process; when it passes, the whole process
@@ -69,9 +70,35 @@ pub struct ExecRequest {
     /// either way. Agents older than this field ignore it (unknown fields are ignored).
     #[serde(default)]
     pub kill_group_on_exit: bool,
-    /// Reserved for pseudo-terminal support; must be false (version 1 has no tty).
+    /// Run the command on a new pseudo-terminal (`docker exec -t`): the terminal is its
+    /// controlling terminal and stdin, stdout and stderr (it is a session leader, its process
+    /// group in the foreground). Its output arrives as `Stdout` frames only (a terminal has one
+    /// output stream); `Stdin` bytes are what a user types, so `0x03` sends `SIGINT` to the
+    /// foreground process group through the line discipline; `StdinEof` types the terminal's
+    /// end-of-file character (`VEOF`, `^D`). `Resize` frames change its size.
+    /// `TERM=xterm` is added when the request's environment has no `TERM=`.
     #[serde(default)]
     pub tty: bool,
+    /// The terminal's size at start (only with `tty`); 24 rows × 80 columns when absent.
+    #[serde(default)]
+    pub window: Option<WindowSize>,
+}
+
+/// A terminal's size in character cells (`struct winsize` of `TIOCSWINSZ`, without pixels).
+/// Host → guest as the payload of a `Resize` frame and in [`ExecRequest::window`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowSize {
+    /// Rows (lines), 1..=65535.
+    pub rows: u16,
+    /// Columns, 1..=65535.
+    pub cols: u16,
+}
+
+impl Default for WindowSize {
+    /// 24 rows × 80 columns, the VT100's size, which programs assume when nothing is known.
+    fn default() -> Self {
+        WindowSize { rows: 24, cols: 80 }
+    }
 }
 
 impl ExecRequest {
@@ -80,7 +107,7 @@ impl ExecRequest {
     pub fn new<I, S>(argv: I) -> Self
     where
         I: IntoIterator<Item = S>,
-        S: Into<String>,
+        S: Into<ByteString>,
     {
         Self {
             version: PROTOCOL_VERSION,
@@ -92,6 +119,7 @@ impl ExecRequest {
             timeout_ms: None,
             kill_group_on_exit: false,
             tty: false,
+            window: None,
         }
     }
 }

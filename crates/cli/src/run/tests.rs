@@ -81,14 +81,20 @@ fn env_flags_override_the_defaults_and_another_user_gets_no_default_home() {
     let user_request = exec_request(&as_user, &ExecDefaults::of(&user_spec));
 
     // Assert
-    assert!(request.env.contains(&"PATH=/x".to_owned()));
-    assert!(!request.env.iter().any(|e| e.starts_with("PATH=/usr")));
-    assert!(request.env.contains(&"A=b=c".to_owned()));
-    assert!(request.env.contains(&"HOME=/root".to_owned()));
-    assert!(request.env.contains(&"TERM=dumb".to_owned()));
+    assert!(request.env.contains(&"PATH=/x".into()));
+    assert!(!request
+        .env
+        .iter()
+        .any(|e| e.as_bytes().starts_with(b"PATH=/usr")));
+    assert!(request.env.contains(&"A=b=c".into()));
+    assert!(request.env.contains(&"HOME=/root".into()));
+    assert!(request.env.contains(&"TERM=dumb".into()));
     assert!(request.kill_group_on_exit && request.stdin);
     assert!(
-        !user_request.env.iter().any(|e| e.starts_with("HOME=")),
+        !user_request
+            .env
+            .iter()
+            .any(|e| e.as_bytes().starts_with(b"HOME=")),
         "{:?}",
         user_request.env
     );
@@ -319,10 +325,17 @@ fn the_agent_gets_the_boot_timeout_but_never_less_than_the_client_default() {
 }
 
 #[test]
-fn env_flags_must_be_key_value() {
-    assert!(parse_env("A=1").is_ok());
-    assert!(parse_env("=1").is_err());
-    assert!(parse_env("novalue").is_err());
+fn env_flags_must_be_key_value_with_any_bytes_as_the_value() {
+    use std::os::unix::ffi::OsStringExt;
+    let bytes = OsString::from_vec(b"A=\xff\x01".to_vec());
+
+    assert_eq!(
+        parse_env(bytes),
+        Ok(("A".to_owned(), ByteString::from(vec![0xff, 0x01])))
+    );
+    assert!(parse_env("=1".into()).is_err());
+    assert!(parse_env("novalue".into()).is_err());
+    assert!(parse_env(OsString::from_vec(b"\xff=1".to_vec())).is_err());
 }
 
 #[test]

@@ -477,8 +477,8 @@ fn a_restore_gets_the_runs_environment_user_and_directory_on_the_templates_machi
     assert_eq!(c.hostname.as_deref(), Some("bh-0123456789ab"));
     assert_eq!(c.kernel, PathBuf::from("/k/vmlinux"));
     assert!(c.mounts.is_empty() && c.workspace.is_none() && c.egress.is_none());
-    assert!(request.env.contains(&"A=1".to_owned()), "{:?}", request.env);
+    assert!(request.env.contains(&"A=1".into()), "{:?}", request.env);
     assert_eq!(request.user.as_deref(), Some("1000"));
-    assert_eq!(request.cwd.as_deref(), Some("/srv"));
+    assert_eq!(request.cwd, Some("/srv".into()));
     assert_eq!(request.argv, ["true"]);
 }

@@ -127,12 +127,12 @@ fn protocol_request(
     if spec.argv.is_empty() || spec.argv[0].is_empty() {
         return Err(ApiError::invalid("argv must name a program"));
     }
-    if spec.argv.iter().any(|a| a.contains('\0')) {
+    if spec.argv.iter().any(|a| a.as_bytes().contains(&0)) {
         return Err(ApiError::invalid("argv must not contain NUL bytes"));
     }
     bulkhead_sandbox::spec::check_env(&spec.env).map_err(|e| ApiError::invalid(e.to_string()))?;
     if let Some(cwd) = &spec.cwd {
-        if !cwd.starts_with('/') || cwd.contains('\0') {
+        if !cwd.as_bytes().starts_with(b"/") || cwd.as_bytes().contains(&0) {
             return Err(ApiError::invalid("cwd must be an absolute path"));
         }
     }
@@ -160,7 +160,7 @@ fn protocol_request(
     let mut request = handle.exec.request(
         spec.argv.clone(),
         &spec.env,
-        spec.cwd.as_deref(),
+        spec.cwd.as_ref(),
         spec.user.as_deref(),
     );
     request.stdin = stdin.is_some();

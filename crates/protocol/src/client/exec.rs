@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::{classify, ClientError};
 use crate::frame::{encode_raw, read_frame, write_frame, Frame, FrameType};
-use crate::messages::{ExecRequest, ExitStatus, SignalRequest};
+use crate::messages::{ExecRequest, ExitStatus, SignalRequest, WindowSize};
 use crate::DATA_CHUNK;
 
 /// Something the command did.
@@ -139,6 +139,12 @@ impl ExecWriter {
     /// Delivers signal `signo` (e.g. 15 for SIGTERM) to the command's process group.
     pub fn signal(&self, signo: i32) -> Result<(), ClientError> {
         self.send(&Frame::Signal(SignalRequest { signo }))
+    }
+
+    /// Tells the agent that the terminal of a `tty` exec is now `size` (a `Resize` frame; the
+    /// guest's foreground process group gets `SIGWINCH` from its kernel).
+    pub fn resize(&self, size: WindowSize) -> Result<(), ClientError> {
+        self.send(&Frame::Resize(size))
     }
 
     /// Drops the connection in both directions. The agent then sends SIGHUP and, shortly

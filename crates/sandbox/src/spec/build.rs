@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bulkhead_egress::policy::SecretValues;
 use bulkhead_image::{ImageStore, StoreError};
-use bulkhead_protocol::ExecRequest;
+use bulkhead_protocol::{ByteString, ExecRequest};
 use bulkhead_vmm::config::SerialOutput;
 use serde::{Deserialize, Serialize};
 
@@ -180,27 +180,38 @@ impl ExecDefaults {
     /// `env`; `cwd` and `user` when
     /// given, else the defaults. No stdin, no timeout, `docker exec` semantics for the end
     /// (`kill_group_on_exit: false`): callers change those fields.
-    pub fn request(
+    pub fn request<A: Into<ByteString>>(
         &self,
-        argv: Vec<String>,
-        env: &BTreeMap<String, String>,
-        cwd: Option<&str>,
+        argv: impl IntoIterator<Item = A>,
+        env: &BTreeMap<String, ByteString>,
+        cwd: Option<&ByteString>,
         user: Option<&str>,
     ) -> ExecRequest {
         let user = user.map(str::to_owned).or_else(|| self.user.clone());
+        let text = |(k, v): (&String, &String)| (k.clone(), ByteString::from(v));
         let mut all = BTreeMap::from([
-            ("PATH".to_owned(), BASE_PATH.to_owned()),
-            ("TERM".to_owned(), BASE_TERM.to_owned()),
+            ("PATH".to_owned(), ByteString::from(BASE_PATH)),
+            ("TERM".to_owned(), ByteString::from(BASE_TERM)),
         ]);
         if user.is_none() {
-            all.insert("HOME".to_owned(), ROOT_HOME.to_owned());
+            all.insert("HOME".to_owned(), ByteString::from(ROOT_HOME));
         }
-        all.extend(self.network.clone());
-        all.extend(self.env.clone());
-        all.extend(env.clone());
+        all.extend(self.network.iter().map(text));
+        all.extend(self.env.iter().map(text));
+        all.extend(env.iter().map(|(k, v)| (k.clone(), v.clone())));
         let mut request = ExecRequest::new(argv);
-        request.env = all.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
-        request.cwd = cwd.map(str::to_owned).or_else(|| self.cwd.clone());
+        request.env = all
+            .into_iter()
+            .map(|(k, v)| {
+                let mut entry = k.into_bytes();
+                entry.push(b'=');
+                entry.extend_from_slice(v.as_bytes());
+                ByteString::from(entry)
+            })
+            .collect();
+        request.cwd = cwd
+            .cloned()
+            .or_else(|| self.cwd.as_deref().map(ByteString::from));
         request.user = user;
         request
     }

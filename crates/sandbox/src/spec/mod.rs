@@ -419,9 +419,9 @@ pub fn check_memory_mib(mib: u32) -> Result<(), SpecError> {
 ///
 /// # Errors
 /// [`SpecError::Invalid`] naming the variable.
-pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), SpecError> {
+pub fn check_env<V: AsRef<[u8]>>(env: &BTreeMap<String, V>) -> Result<(), SpecError> {
     for (k, v) in env {
-        if k.is_empty() || k.contains(['=', '\0']) || v.contains('\0') {
+        if k.is_empty() || k.contains(['=', '\0']) || v.as_ref().contains(&0) {
             return Err(invalid(
                 "env",
                 format!("invalid environment variable {k:?}"),

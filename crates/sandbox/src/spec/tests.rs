@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use bulkhead_protocol::ByteString;
+
 use super::*;
 use crate::workspace::WorkspaceMode;
 use crate::HostSettings;
@@ -337,11 +339,11 @@ fn commands_get_path_term_and_root_home_then_the_sandbox_env_then_their_own() {
     let own = BTreeMap::from([("A".into(), "2".into())]);
 
     // Act
-    let as_root = defaults.request(vec!["env".into()], &own, None, None);
+    let as_root = defaults.request(["env"], &own, None, None);
     let as_user = defaults.request(
-        vec!["env".into()],
+        ["env"],
         &BTreeMap::new(),
-        Some("/tmp"),
+        Some(&"/tmp".into()),
         Some("1000"),
     );
 
@@ -349,19 +351,22 @@ fn commands_get_path_term_and_root_home_then_the_sandbox_env_then_their_own() {
     assert_eq!(
         as_root.env,
         [
-            "A=2".to_owned(),
+            "A=2".into(),
             "HOME=/root".into(),
-            format!("PATH={BASE_PATH}"),
+            ByteString::from(format!("PATH={BASE_PATH}")),
             "TERM=xterm".into()
         ]
     );
-    assert_eq!(as_root.cwd.as_deref(), Some("/workspace"));
+    assert_eq!(as_root.cwd, Some("/workspace".into()));
     assert!(
-        !as_user.env.iter().any(|e| e.starts_with("HOME=")),
+        !as_user
+            .env
+            .iter()
+            .any(|e| e.as_bytes().starts_with(b"HOME=")),
         "{:?}",
         as_user.env
     );
-    assert_eq!(as_user.cwd.as_deref(), Some("/tmp"));
+    assert_eq!(as_user.cwd, Some("/tmp".into()));
     assert_eq!(as_user.user.as_deref(), Some("1000"));
 }
 
