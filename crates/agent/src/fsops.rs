@@ -10,8 +10,9 @@ use std::path::{Component, Path, PathBuf};
 use bulkhead_protocol::archive::{self, ArchiveError, PackOptions, UnpackOptions};
 use bulkhead_protocol::frame::encode_raw;
 use bulkhead_protocol::{
-    read_frame, write_frame, Ack, ArchiveReadRequest, ArchiveWriteRequest, ErrorCode, ErrorMessage,
-    FileEntry, FileType, Frame, FrameType, FsOp, FsRequest, DATA_CHUNK, PROTOCOL_VERSION,
+    read_frame, write_frame, Ack, ArchiveReadRequest, ArchiveWriteRequest, ByteString, ErrorCode,
+    ErrorMessage, FileEntry, FileType, Frame, FrameType, FsOp, FsRequest, DATA_CHUNK,
+    PROTOCOL_VERSION,
 };
 
 use crate::conn::Conn;
@@ -71,15 +72,15 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> FsE
 
 /// Checks the version and normalises an absolute guest path lexically: `.` components and
 /// repeated `/` dropped, `..` removes the previous component (`/..` is `/`).
-pub fn normalise(version: u32, path: &str) -> Result<PathBuf, FsError> {
+pub fn normalise(version: u32, path: &ByteString) -> Result<PathBuf, FsError> {
     if version != PROTOCOL_VERSION {
         return Err(FsError::Version(version));
     }
-    if !path.starts_with('/') {
-        return Err(FsError::NotAbsolute(path.to_owned()));
+    if path.as_bytes().first() != Some(&b'/') {
+        return Err(FsError::NotAbsolute(path.to_string_lossy().into_owned()));
     }
     let mut out = PathBuf::from("/");
-    for comp in Path::new(path).components() {
+    for comp in Path::new(path.as_os_str()).components() {
         match comp {
             Component::ParentDir => {
                 out.pop();
@@ -277,19 +278,16 @@ pub fn entry_of(path: &Path, meta: &Metadata) -> FileEntry {
     } else {
         FileType::Other
     };
-    let lossy = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     FileEntry {
-        name: path
-            .file_name()
-            .map_or_else(|| "/".to_owned(), |n| lossy(n.as_bytes())),
-        path: lossy(path.as_os_str().as_bytes()),
+        name: path.file_name().unwrap_or(path.as_os_str()).into(),
+        path: path.as_os_str().into(),
         kind: kind_of,
         size: meta.len(),
         mode: meta.permissions().mode() & 0o7777,
         mtime: meta.mtime(),
         link_target: fs::read_link(path)
             .ok()
-            .map(|t| lossy(t.as_os_str().as_bytes())),
+            .map(|t| ByteString::from(t.into_os_string())),
     }
 }
 
@@ -338,7 +336,7 @@ mod tests {
         // Act
         let got: Vec<_> = cases
             .iter()
-            .map(|(p, _)| normalise(PROTOCOL_VERSION, p).unwrap())
+            .map(|(p, _)| normalise(PROTOCOL_VERSION, &(*p).into()).unwrap())
             .collect();
 
         // Assert
@@ -346,7 +344,7 @@ mod tests {
             assert_eq!(got, Path::new(want));
         }
         assert!(matches!(
-            normalise(PROTOCOL_VERSION, "rel/x"),
+            normalise(PROTOCOL_VERSION, &"rel/x".into()),
             Err(FsError::NotAbsolute(_))
         ));
     }

@@ -154,7 +154,10 @@ fn mkdir_list_stat_and_remove() {
     client.remove(top.to_str().unwrap(), true).unwrap();
 
     // Assert
-    let names: Vec<_> = listed.iter().map(|e| (e.name.as_str(), e.kind)).collect();
+    let names: Vec<_> = listed
+        .iter()
+        .map(|e| (e.name.to_str().unwrap(), e.kind))
+        .collect();
     assert_eq!(
         names,
         [
@@ -164,7 +167,8 @@ fn mkdir_list_stat_and_remove() {
         ]
     );
     assert_eq!(listed[1].size, 3);
-    assert_eq!(listed[2].link_target.as_deref(), Some("/etc/shadow"));
+    let target = listed[2].link_target.as_ref().map(|t| t.as_bytes());
+    assert_eq!(target, Some(&b"/etc/shadow"[..]));
     assert!(
         matches!(&missing, Err(ClientError::Agent(e)) if e.code == ErrorCode::NotFound),
         "{missing:?}"

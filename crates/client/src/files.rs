@@ -14,7 +14,7 @@ use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::UnixStream;
 
 use crate::types::{ArchiveWritten, FileInfo, FileList};
-use crate::{api_error, check, encode, parse, sandbox_path, Client, Error};
+use crate::{api_error, check, encode_bytes, parse, sandbox_path, Client, Error};
 
 /// The error code of a guest path that does not exist (`404`), as opposed to `not_found`
 /// for a sandbox that does not exist.
@@ -26,10 +26,14 @@ impl Client {
     pub async fn put_archive(
         &self,
         id: &str,
-        path: &str,
+        path: impl AsRef<[u8]>,
         source: impl AsyncRead + Send + Unpin + 'static,
     ) -> Result<ArchiveWritten, Error> {
-        let uri = format!("{}?path={}", sandbox_path(id, "/archive"), encode(path));
+        let uri = format!(
+            "{}?path={}",
+            sandbox_path(id, "/archive"),
+            encode_bytes(path.as_ref())
+        );
         let stream = UnixStream::connect(&self.socket)
             .await
             .map_err(|source| Error::Connect {
@@ -61,12 +65,16 @@ impl Client {
     pub async fn get_archive(
         &self,
         id: &str,
-        path: &str,
+        path: impl AsRef<[u8]>,
         sink: &mut (impl tokio::io::AsyncWrite + Unpin),
     ) -> Result<(), Error> {
         use http_body_util::BodyExt as _;
         use tokio::io::AsyncWriteExt as _;
-        let uri = format!("{}?path={}", sandbox_path(id, "/archive"), encode(path));
+        let uri = format!(
+            "{}?path={}",
+            sandbox_path(id, "/archive"),
+            encode_bytes(path.as_ref())
+        );
         let response = crate::http::send(&self.socket, Method::GET, &uri, None, &[]).await?;
         let status = response.status();
         if !status.is_success() {
@@ -85,16 +93,28 @@ impl Client {
     }
 
     /// `GET /v1/sandboxes/{id}/files/list?path=`: the entries of a guest directory.
-    pub async fn list_files(&self, id: &str, path: &str) -> Result<Vec<FileInfo>, Error> {
-        let uri = format!("{}?path={}", sandbox_path(id, "/files/list"), encode(path));
+    pub async fn list_files(
+        &self,
+        id: &str,
+        path: impl AsRef<[u8]>,
+    ) -> Result<Vec<FileInfo>, Error> {
+        let uri = format!(
+            "{}?path={}",
+            sandbox_path(id, "/files/list"),
+            encode_bytes(path.as_ref())
+        );
         let list: FileList = self.json(Method::GET, &uri, None).await?;
         Ok(list.entries)
     }
 
     /// `GET /v1/sandboxes/{id}/files/stat?path=`: the guest path itself (a symlink is not
     /// followed), or `None` when it does not exist.
-    pub async fn stat(&self, id: &str, path: &str) -> Result<Option<FileInfo>, Error> {
-        let uri = format!("{}?path={}", sandbox_path(id, "/files/stat"), encode(path));
+    pub async fn stat(&self, id: &str, path: impl AsRef<[u8]>) -> Result<Option<FileInfo>, Error> {
+        let uri = format!(
+            "{}?path={}",
+            sandbox_path(id, "/files/stat"),
+            encode_bytes(path.as_ref())
+        );
         match self.json(Method::GET, &uri, None).await {
             Ok(info) => Ok(Some(info)),
             Err(Error::Api { code, .. }) if code == PATH_NOT_FOUND => Ok(None),
@@ -103,17 +123,22 @@ impl Client {
     }
 
     /// Whether the guest path exists (as [`Self::stat`]).
-    pub async fn exists(&self, id: &str, path: &str) -> Result<bool, Error> {
+    pub async fn exists(&self, id: &str, path: impl AsRef<[u8]>) -> Result<bool, Error> {
         Ok(self.stat(id, path).await?.is_some())
     }
 
     /// `POST /v1/sandboxes/{id}/files/mkdir?path=&parents=`: creates a guest directory; with
     /// `parents`, missing parents too and no error when it exists.
-    pub async fn make_dir(&self, id: &str, path: &str, parents: bool) -> Result<(), Error> {
+    pub async fn make_dir(
+        &self,
+        id: &str,
+        path: impl AsRef<[u8]>,
+        parents: bool,
+    ) -> Result<(), Error> {
         let uri = format!(
             "{}?path={}&parents={parents}",
             sandbox_path(id, "/files/mkdir"),
-            encode(path)
+            encode_bytes(path.as_ref())
         );
         let (status, body) = self.raw(Method::POST, &uri, None, &[]).await?;
         check(status, &body).map(drop)
@@ -121,11 +146,16 @@ impl Client {
 
     /// `DELETE /v1/sandboxes/{id}/files?path=&recursive=`: removes a guest path (a symlink
     /// itself); a non-empty directory needs `recursive`.
-    pub async fn remove(&self, id: &str, path: &str, recursive: bool) -> Result<(), Error> {
+    pub async fn remove(
+        &self,
+        id: &str,
+        path: impl AsRef<[u8]>,
+        recursive: bool,
+    ) -> Result<(), Error> {
         let uri = format!(
             "{}?path={}&recursive={recursive}",
             sandbox_path(id, "/files"),
-            encode(path)
+            encode_bytes(path.as_ref())
         );
         let (status, body) = self.raw(Method::DELETE, &uri, None, &[]).await?;
         check(status, &body).map(drop)

@@ -370,8 +370,13 @@ pub(crate) fn decode_b64(text: &str) -> Result<Vec<u8>, Error> {
 
 /// Percent-encodes everything but RFC 3986 unreserved characters and `/`.
 pub fn encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
+    encode_bytes(text.as_bytes())
+}
+
+/// [`encode`] for any bytes (a guest path need not be UTF-8).
+pub fn encode_bytes(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for &b in bytes {
         if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
             out.push(b as char);
         } else {

@@ -491,10 +491,10 @@ pub enum FileKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FileInfo {
-    /// Last path component (invalid UTF-8 replaced by U+FFFD).
-    pub name: String,
-    /// Whole guest path (invalid UTF-8 replaced by U+FFFD).
-    pub path: String,
+    /// Last path component: a JSON string, or `{"base64": ...}` for a name that is not UTF-8.
+    pub name: ByteString,
+    /// Whole guest path, as `name`.
+    pub path: ByteString,
     /// Type of the file.
     #[serde(rename = "type")]
     pub kind: FileKind,
@@ -504,9 +504,9 @@ pub struct FileInfo {
     pub mode: u32,
     /// Last modification, seconds since the Unix epoch.
     pub mtime: i64,
-    /// A symlink's target; absent for other types.
+    /// A symlink's target, as `name`; absent for other types.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub link_target: Option<String>,
+    pub link_target: Option<ByteString>,
 }
 
 /// Answer of `GET /v1/sandboxes/{id}/files/list`.

@@ -4,7 +4,9 @@
 
 mod common;
 
+use std::ffi::OsStr;
 use std::fs;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::Path;
 
@@ -14,6 +16,7 @@ use common::{rt, spec_with_labels, TestDaemon};
 
 fn tree(root: &Path) {
     fs::create_dir_all(root.join("d/empty")).unwrap();
+    fs::write(root.join(std::ffi::OsStr::from_bytes(b"n\xffme")), b"odd").unwrap();
     fs::write(root.join("d/x.sh"), b"echo x\n").unwrap();
     fs::set_permissions(root.join("d/x.sh"), fs::Permissions::from_mode(0o700)).unwrap();
     symlink("/etc/shadow", root.join("shadow")).unwrap();
@@ -34,7 +37,7 @@ fn a_tree_goes_in_and_comes_back_through_the_archive_api() {
     let guest_str = guest.to_str().unwrap().to_owned();
 
     // Act
-    let (written, from_guest, listed, stat) = rt.block_on(async {
+    let (written, from_guest, listed, stat, odd) = rt.block_on(async {
         let id = client.create(&spec_with_labels(&[])).await.unwrap().id;
         let written = client
             .put_archive(&id, &guest_str, std::io::Cursor::new(tar))
@@ -53,7 +56,9 @@ fn a_tree_goes_in_and_comes_back_through_the_archive_api() {
             .stat(&id, &format!("{guest_str}/src/shadow"))
             .await
             .unwrap();
-        (written, from_guest, listed, stat)
+        let odd_path = [guest_str.as_bytes(), b"/src/n\xffme"].concat();
+        let odd = client.stat(&id, &odd_path).await.unwrap();
+        (written, from_guest, listed, stat, odd)
     });
     let back = host.path().join("back");
     fs::create_dir(&back).unwrap();
@@ -61,7 +66,7 @@ fn a_tree_goes_in_and_comes_back_through_the_archive_api() {
     archive::unpack(&from_guest[..], &fd, &UnpackOptions::default()).unwrap();
 
     // Assert
-    assert_eq!(written.entries, 5, "{written:?}");
+    assert_eq!(written.entries, 6, "{written:?}");
     assert_eq!(fs::read(guest.join("src/d/x.sh")).unwrap(), b"echo x\n");
     let mode = fs::metadata(back.join("src/d/x.sh"))
         .unwrap()
@@ -73,10 +78,23 @@ fn a_tree_goes_in_and_comes_back_through_the_archive_api() {
         Path::new("/etc/shadow")
     );
     assert!(back.join("src/d/empty").is_dir());
-    let names: Vec<_> = listed.iter().map(|e| (e.name.as_str(), e.kind)).collect();
-    assert_eq!(names, [("d", FileKind::Dir), ("shadow", FileKind::Symlink)]);
+    let names: Vec<_> = listed.iter().map(|e| (e.name.as_bytes(), e.kind)).collect();
+    assert_eq!(
+        names,
+        [
+            (&b"d"[..], FileKind::Dir),
+            (b"n\xffme", FileKind::File),
+            (b"shadow", FileKind::Symlink)
+        ]
+    );
+    assert_eq!(
+        fs::read(back.join(OsStr::from_bytes(b"src/n\xffme"))).unwrap(),
+        b"odd"
+    );
     let stat = stat.expect("the link exists");
-    assert_eq!(stat.link_target.as_deref(), Some("/etc/shadow"));
+    let target = stat.link_target.as_ref().map(|t| t.as_bytes());
+    assert_eq!(target, Some(&b"/etc/shadow"[..]));
+    assert!(odd.is_some(), "stat of a non-UTF-8 path");
 }
 
 #[test]

@@ -11,6 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::bytes::ByteString;
 use crate::workspace::SkippedEntry;
 
 /// Extracts a tar stream into an existing guest directory. Followed by `Data` frames and `End`.
@@ -18,9 +19,10 @@ use crate::workspace::SkippedEntry;
 pub struct ArchiveWriteRequest {
     /// Must be [`crate::PROTOCOL_VERSION`].
     pub version: u32,
-    /// Absolute guest path of an existing directory, normalised by the agent (`.`, `..` and
-    /// repeated `/` resolved lexically; symlinks in this path are followed, in the guest).
-    pub path: String,
+    /// Absolute guest path of an existing directory (bytes: a JSON string or
+    /// `{"base64": ...}`), normalised by the agent (`.`, `..` and repeated `/` resolved
+    /// lexically; symlinks in this path are followed, in the guest).
+    pub path: ByteString,
 }
 
 /// Packs a guest file, symlink or directory tree into a tar stream; entry names start with
@@ -29,9 +31,9 @@ pub struct ArchiveWriteRequest {
 pub struct ArchiveReadRequest {
     /// Must be [`crate::PROTOCOL_VERSION`].
     pub version: u32,
-    /// Absolute guest path, normalised by the agent; not `/`. A symlink here is archived as a
-    /// link, not followed.
-    pub path: String,
+    /// Absolute guest path (bytes), normalised by the agent; not `/`. A symlink here is
+    /// archived as a link, not followed.
+    pub path: ByteString,
 }
 
 /// Last frame of a successful archive transfer.
@@ -69,8 +71,8 @@ pub struct FsRequest {
     pub version: u32,
     /// The operation.
     pub op: FsOp,
-    /// Absolute guest path, normalised by the agent.
-    pub path: String,
+    /// Absolute guest path (bytes), normalised by the agent.
+    pub path: ByteString,
     /// `mkdir` only: create missing parents, and succeed when the directory exists.
     #[serde(default)]
     pub parents: bool,
@@ -96,10 +98,10 @@ pub enum FileType {
 /// One guest file, as `lstat(2)` sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
-    /// The last path component, invalid UTF-8 replaced by U+FFFD.
-    pub name: String,
-    /// The whole path, invalid UTF-8 replaced by U+FFFD.
-    pub path: String,
+    /// The last path component (bytes).
+    pub name: ByteString,
+    /// The whole path (bytes).
+    pub path: ByteString,
     /// Type of the file.
     #[serde(rename = "type")]
     pub kind: FileType,
@@ -109,7 +111,7 @@ pub struct FileEntry {
     pub mode: u32,
     /// Last modification, seconds since the Unix epoch.
     pub mtime: i64,
-    /// A symlink's target, invalid UTF-8 replaced by U+FFFD; absent for other types.
+    /// A symlink's target (bytes); absent for other types.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub link_target: Option<String>,
+    pub link_target: Option<ByteString>,
 }

@@ -176,6 +176,53 @@ pub(super) fn guest_path(query: Option<&str>) -> Result<String, ApiError> {
     Ok(path)
 }
 
+/// [`guest_path`] as bytes: the percent-decoded `path` parameter need not be UTF-8 (for the
+/// archive and list/stat/mkdir/remove endpoints; `+` is a space, as in forms).
+pub(super) fn guest_path_bytes(query: Option<&str>) -> Result<Vec<u8>, ApiError> {
+    let raw = query
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("path="))
+        .ok_or_else(|| ApiError::invalid("the path query parameter is required"))?;
+    let path = percent_decode(raw.as_bytes())
+        .ok_or_else(|| ApiError::invalid("the path query parameter has a bad %-escape"))?;
+    let bad = path.first() != Some(&b'/')
+        || path.len() > MAX_PATH
+        || path.contains(&0)
+        || path.split(|b| *b == b'/').any(|c| c == b"..");
+    if bad {
+        return Err(ApiError::invalid(format!(
+            "path {:?} must be absolute, without '..' components, at most {MAX_PATH} bytes",
+            String::from_utf8_lossy(&path)
+        )));
+    }
+    Ok(path)
+}
+
+/// `%XX` escapes to bytes and `+` to a space; `None` for a malformed escape.
+fn percent_decode(raw: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        match raw[i] {
+            b'%' => {
+                let hex = std::str::from_utf8(raw.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    Some(out)
+}
+
 fn mode_of(headers: &HeaderMap) -> Result<u32, ApiError> {
     let Some(value) = headers.get(MODE_HEADER) else {
         return Ok(DEFAULT_MODE);
@@ -212,6 +259,12 @@ mod tests {
         // Assert
         assert!(results.iter().all(Result::is_err), "{results:?}");
         assert_eq!(guest_path(Some("path=%2Ftmp%2Fa%20b")).unwrap(), "/tmp/a b");
+        let bytes: Vec<_> = queries.iter().map(|q| guest_path_bytes(Some(q))).collect();
+        assert!(bytes.iter().all(Result::is_err), "{bytes:?}");
+        assert_eq!(
+            guest_path_bytes(Some("x=1&path=/t/n%FFme")).unwrap(),
+            b"/t/n\xffme"
+        );
     }
 
     #[test]

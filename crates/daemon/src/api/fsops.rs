@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
 use super::error::ApiError;
-use super::files::{guest_path, limited, tokio_stream_of, ChannelSink};
+use super::files::{guest_path_bytes, limited, tokio_stream_of, ChannelSink};
 use crate::manager::Manager;
 
 /// Extracts the tar archive of the request body into the existing guest directory `path`.
@@ -43,14 +43,14 @@ pub async fn put_archive(
     RawQuery(query): RawQuery,
     body: Body,
 ) -> Result<Json<ArchiveWritten>, ApiError> {
-    let path = guest_path(query.as_deref())?;
+    let path = guest_path_bytes(query.as_deref())?;
     let limit = manager.config().max_file_bytes;
     let client = manager.agent(&id)?.client;
     let over = Arc::new(AtomicBool::new(false));
     let reader = SyncIoBridge::new(StreamReader::new(limited(body, limit, over.clone())));
     let done = tokio::task::spawn_blocking(move || {
         let mut reader = reader;
-        client.write_archive_from(&path, &mut reader)
+        client.write_archive_from(path, &mut reader)
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
@@ -91,15 +91,16 @@ pub async fn get_archive(
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let path = guest_path(query.as_deref())?;
+    let path = guest_path_bytes(query.as_deref())?;
     let client = manager.agent(&id)?.client;
     let (tx, mut rx) = mpsc::channel::<Result<Bytes, ApiError>>(8);
     tokio::task::spawn_blocking(move || {
         let mut sink = ChannelSink { tx: tx.clone() };
-        match client.read_archive_into(&path, &mut sink) {
+        let shown = String::from_utf8_lossy(&path).into_owned();
+        match client.read_archive_into(path, &mut sink) {
             Ok(done) => {
                 for s in &done.skipped {
-                    tracing::info!("archive of {path}: skipped {}: {}", s.path, s.reason);
+                    tracing::info!("archive of {shown}: skipped {}: {}", s.path, s.reason);
                 }
             }
             Err(e) => {
@@ -136,8 +137,8 @@ pub async fn list(
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<FileList>, ApiError> {
-    let path = guest_path(query.as_deref())?;
-    let entries = blocking(&manager, &id, move |c| c.list(&path)).await?;
+    let path = guest_path_bytes(query.as_deref())?;
+    let entries = blocking(&manager, &id, move |c| c.list(path)).await?;
     Ok(Json(FileList {
         entries: entries.into_iter().map(info).collect(),
     }))
@@ -159,8 +160,8 @@ pub async fn stat(
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<FileInfo>, ApiError> {
-    let path = guest_path(query.as_deref())?;
-    let entry = blocking(&manager, &id, move |c| c.stat(&path)).await?;
+    let path = guest_path_bytes(query.as_deref())?;
+    let entry = blocking(&manager, &id, move |c| c.stat(path)).await?;
     Ok(Json(info(entry)))
 }
 
@@ -181,9 +182,9 @@ pub async fn mkdir(
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<StatusCode, ApiError> {
-    let path = guest_path(query.as_deref())?;
+    let path = guest_path_bytes(query.as_deref())?;
     let parents = flag(query.as_deref(), "parents")?;
-    blocking(&manager, &id, move |c| c.mkdir(&path, parents)).await?;
+    blocking(&manager, &id, move |c| c.mkdir(path, parents)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -204,9 +205,9 @@ pub async fn remove(
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<StatusCode, ApiError> {
-    let path = guest_path(query.as_deref())?;
+    let path = guest_path_bytes(query.as_deref())?;
     let recursive = flag(query.as_deref(), "recursive")?;
-    blocking(&manager, &id, move |c| c.remove(&path, recursive)).await?;
+    blocking(&manager, &id, move |c| c.remove(path, recursive)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -9,7 +9,7 @@ use crate::frame::{read_frame, write_frame, Frame};
 use crate::fsops::{
     ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FsOp, FsRequest,
 };
-use crate::PROTOCOL_VERSION;
+use crate::{ByteString, PROTOCOL_VERSION};
 
 /// Bound on each blocking read or write of an archive transfer (10 minutes): the other side
 /// may spend long on one large file (the zeros of a big hole, for one) without reading or
@@ -24,13 +24,13 @@ impl AgentClient {
     /// `path` (absolute, existing). Returns the agent's totals.
     pub fn write_archive_from(
         &self,
-        path: &str,
+        path: impl Into<ByteString>,
         source: &mut impl Read,
     ) -> Result<ArchiveDone, ClientError> {
         let mut stream = self.archive_connect()?;
         let request = Frame::ArchiveWrite(ArchiveWriteRequest {
             version: PROTOCOL_VERSION,
-            path: path.to_owned(),
+            path: path.into(),
         });
         if let Err(e) = send_file_body(&mut stream, &request, source) {
             return Err(agent_reason(&mut stream).unwrap_or(e));
@@ -51,13 +51,13 @@ impl AgentClient {
     /// bytes are the guest's: extract them only with [`crate::archive::unpack`].
     pub fn read_archive_into(
         &self,
-        path: &str,
+        path: impl Into<ByteString>,
         sink: &mut impl Write,
     ) -> Result<ArchiveDone, ClientError> {
         let stream = self.archive_connect()?;
         let request = Frame::ArchiveRead(ArchiveReadRequest {
             version: PROTOCOL_VERSION,
-            path: path.to_owned(),
+            path: path.into(),
         });
         write_frame(&mut &stream, &request).map_err(classify)?;
         let mut reader = BufReader::with_capacity(64 * 1024, stream);
@@ -78,7 +78,7 @@ impl AgentClient {
     }
 
     /// The entries of the guest directory `path`, sorted by name.
-    pub fn list(&self, path: &str) -> Result<Vec<FileEntry>, ClientError> {
+    pub fn list(&self, path: impl Into<ByteString>) -> Result<Vec<FileEntry>, ClientError> {
         let mut reader = BufReader::new(self.fs_request(FsOp::List, path, false)?);
         let mut entries = Vec::new();
         loop {
@@ -101,7 +101,7 @@ impl AgentClient {
 
     /// The guest path `path` itself (a symlink is not followed); a missing path is
     /// [`ClientError::Agent`] with [`crate::ErrorCode::NotFound`].
-    pub fn stat(&self, path: &str) -> Result<FileEntry, ClientError> {
+    pub fn stat(&self, path: impl Into<ByteString>) -> Result<FileEntry, ClientError> {
         let mut stream = self.fs_request(FsOp::Stat, path, false)?;
         match read_frame(&mut stream).map_err(classify)? {
             Some(Frame::FileEntry(entry)) => Ok(entry),
@@ -116,20 +116,25 @@ impl AgentClient {
 
     /// Creates the guest directory `path`; with `parents`, missing parents too, and an
     /// existing directory is no error.
-    pub fn mkdir(&self, path: &str, parents: bool) -> Result<(), ClientError> {
+    pub fn mkdir(&self, path: impl Into<ByteString>, parents: bool) -> Result<(), ClientError> {
         let stream = self.fs_request(FsOp::Mkdir, path, parents)?;
         ack(stream, "acknowledging the mkdir")
     }
 
     /// Removes the guest path `path` (a symlink itself, not its target); a non-empty
     /// directory needs `recursive`.
-    pub fn remove(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
+    pub fn remove(&self, path: impl Into<ByteString>, recursive: bool) -> Result<(), ClientError> {
         let stream = self.fs_request(FsOp::Remove, path, recursive)?;
         ack(stream, "acknowledging the removal")
     }
 
     /// Sends an `Fs` request; `flag` is `parents` for mkdir and `recursive` for remove.
-    fn fs_request(&self, op: FsOp, path: &str, flag: bool) -> Result<UnixStream, ClientError> {
+    fn fs_request(
+        &self,
+        op: FsOp,
+        path: impl Into<ByteString>,
+        flag: bool,
+    ) -> Result<UnixStream, ClientError> {
         let mut stream = self.connect()?;
         if op == FsOp::Remove && flag {
             // A large tree takes a while to remove.
@@ -138,7 +143,7 @@ impl AgentClient {
         let request = Frame::Fs(FsRequest {
             version: PROTOCOL_VERSION,
             op,
-            path: path.to_owned(),
+            path: path.into(),
             parents: op == FsOp::Mkdir && flag,
             recursive: op == FsOp::Remove && flag,
         });
@@ -175,8 +180,8 @@ mod tests {
 
     fn entry(name: &str) -> FileEntry {
         FileEntry {
-            name: name.to_owned(),
-            path: format!("/w/{name}"),
+            name: name.into(),
+            path: format!("/w/{name}").into(),
             kind: FileType::File,
             size: 3,
             mode: 0o644,
