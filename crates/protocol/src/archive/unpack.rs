@@ -363,7 +363,7 @@ fn set_mode_and_time(fd: &OwnedFd, mode: u32, mtime: i64, shown: &str) -> Result
             tv_nsec: libc::UTIME_OMIT,
         },
         libc::timespec {
-            tv_sec: mtime as libc::time_t,
+            tv_sec: mtime as _,
             tv_nsec: 0,
         },
     ];
