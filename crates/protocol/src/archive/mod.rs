@@ -10,7 +10,9 @@
 //! carried with their permission bits and modification time. Files with holes (found with
 //! `SEEK_DATA`/`SEEK_HOLE`) are GNU sparse entries (type `S`, the "old GNU" map of data
 //! segments in the header and its extension blocks), so the zeros of a hole never travel.
-//! Device nodes, FIFOs and sockets are left out and reported as skipped.
+//! Device nodes, FIFOs and sockets are left out and reported as skipped. The packer writes
+//! every file's contents (a file with several names is packed once per name); hard-link entries
+//! of other tools' archives are extracted.
 //!
 //! # Extraction rules
 //!
