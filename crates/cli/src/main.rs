@@ -8,6 +8,7 @@ mod bench;
 mod cli_docs_tests;
 mod cp_dir;
 mod daemon_cmds;
+mod exec_attach;
 mod image_cmds;
 mod machine;
 mod network;
@@ -16,6 +17,7 @@ mod run_export;
 mod rundir;
 mod signals;
 mod template;
+mod terminal;
 mod workspace_cmds;
 
 use std::process::ExitCode;
