@@ -50,15 +50,28 @@ fn base_name(path: &[u8]) -> Option<Vec<u8>> {
     Some(name.as_bytes().to_vec())
 }
 
+/// True when a source path asks for a directory's contents rather than the directory: `.` or
+/// ending in `/.` (as `docker cp SRC/. DST`).
+pub fn contents_of(arg: &[u8]) -> bool {
+    arg == b"." || arg.ends_with(b"/.")
+}
+
 /// `cp -r LOCAL ID:/dst`: into an existing guest directory `dst` (the copy keeps the source's
-/// name), or as `dst` itself when it does not exist (its parent must).
-pub async fn copy_in(client: &Client, src: &Path, id: &str, dst: &str) -> Result<u8, CpError> {
+/// name; with `contents`, the source's entries go straight into `dst`), or as `dst` itself when
+/// it does not exist (its parent must).
+pub async fn copy_in(
+    client: &Client,
+    src: &Path,
+    contents: bool,
+    id: &str,
+    dst: &str,
+) -> Result<u8, CpError> {
     let src_meta =
         fs::symlink_metadata(src).map_err(|e| failed(format!("{}: {e}", src.display())))?;
     let target = client.stat(id, dst).await.map_err(failed)?;
     let (dir, root) = match target {
-        Some(info) if info.kind == FileKind::Dir => (dst.to_owned(), None),
-        Some(_) if src_meta.is_dir() => {
+        Some(info) if info.kind == FileKind::Dir && !contents => (dst.to_owned(), None),
+        Some(info) if info.kind != FileKind::Dir && src_meta.is_dir() => {
             return Err(failed(format!(
                 "cannot overwrite non-directory {id}:{dst} with directory {}",
                 src.display()
@@ -100,8 +113,9 @@ struct Landing {
 
 /// Checks the host destination before anything is written: neither it nor any directory on
 /// the way may be a symlink. An existing directory receives the copy under the source's name;
-/// otherwise the copy is created (or a file replaced) as `dst`, whose parent must exist.
-fn landing(dst: &Path) -> Result<Landing, CpError> {
+/// otherwise (and for the `contents` of a directory) the copy is created, merged or replaces a
+/// file as `dst`, whose parent must exist.
+fn landing(dst: &Path, contents: bool) -> Result<Landing, CpError> {
     let absolute = if dst.is_absolute() {
         dst.to_path_buf()
     } else {
@@ -121,7 +135,7 @@ fn landing(dst: &Path) -> Result<Landing, CpError> {
         other => failed(format!("{}: {other}", dst.display())),
     };
     match fs::symlink_metadata(&absolute) {
-        Ok(meta) if meta.is_dir() => Ok(Landing {
+        Ok(meta) if meta.is_dir() && !contents => Ok(Landing {
             dir: archive::open_dir_nofollow(&absolute).map_err(refuse)?,
             root: None,
         }),
@@ -143,9 +157,10 @@ fn landing(dst: &Path) -> Result<Landing, CpError> {
 }
 
 /// `cp -r ID:/src LOCAL`: the guest's tar stream, extracted as untrusted input (no absolute
-/// names, no `..`, nothing through a symlink, set-ID bits dropped, limits).
+/// names, no `..`, nothing through a symlink, set-ID bits dropped, limits). A `src` ending in
+/// `/.` copies the directory's contents into `LOCAL`.
 pub async fn copy_out(client: &Client, id: &str, src: &str, dst: &Path) -> Result<u8, CpError> {
-    let landing = landing(dst)?;
+    let landing = landing(dst, contents_of(src.as_bytes()))?;
     let (reader, mut writer) = tokio::io::duplex(256 * 1024);
     let unpacker = tokio::task::spawn_blocking(move || {
         let options = UnpackOptions {
@@ -180,9 +195,9 @@ mod tests {
         std::os::unix::fs::symlink("real", tmp.path().join("link")).unwrap();
 
         // Act
-        let through = landing(&tmp.path().join("link/new"));
-        let is_link = landing(&tmp.path().join("link"));
-        let fine = landing(&tmp.path().join("real/new"));
+        let through = landing(&tmp.path().join("link/new"), false);
+        let is_link = landing(&tmp.path().join("link"), true);
+        let fine = landing(&tmp.path().join("real/new"), false);
 
         // Assert
         assert!(matches!(through, Err(CpError::Refused(_))), "{through:?}");

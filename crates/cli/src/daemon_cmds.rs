@@ -527,7 +527,8 @@ fn cp_recursive(args: CpArgs) -> ExitCode {
         }
         let result = match (remote(&args.src), remote(&args.dst)) {
             (None, Some((id, path))) => {
-                crate::cp_dir::copy_in(&client, Path::new(&args.src), id, path).await
+                let contents = crate::cp_dir::contents_of(args.src.as_encoded_bytes());
+                crate::cp_dir::copy_in(&client, Path::new(&args.src), contents, id, path).await
             }
             (Some((id, path)), None) => {
                 crate::cp_dir::copy_out(&client, id, path, Path::new(&args.dst)).await

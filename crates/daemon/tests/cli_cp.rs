@@ -154,6 +154,43 @@ fn cp_r_into_a_destination_through_a_symlink_is_refused_with_exit_1() {
 }
 
 #[test]
+fn cp_r_of_dir_slash_dot_copies_the_contents_into_an_existing_directory() {
+    // Arrange
+    let daemon = TestDaemon::start();
+    let id = sandbox(&daemon);
+    let host = tempfile::tempdir().unwrap();
+    let src = host.path().join("src");
+    fs::create_dir_all(src.join("sub")).unwrap();
+    fs::write(src.join("sub/f"), b"x").unwrap();
+    let guest = daemon.dir.path().join("guest-existing");
+    fs::create_dir(&guest).unwrap();
+    fs::write(guest.join("kept"), b"k").unwrap();
+    let back = host.path().join("back");
+    fs::create_dir(&back).unwrap();
+    let src_contents = format!("{}/.", src.display());
+    let remote = format!("{id}:{}", guest.display());
+    let remote_contents = format!("{remote}/.");
+
+    // Act
+    let copy_in = cp(
+        &daemon,
+        &["-r".as_ref(), src_contents.as_ref(), remote.as_ref()],
+    );
+    let copy_out = cp(
+        &daemon,
+        &["-r".as_ref(), remote_contents.as_ref(), back.as_os_str()],
+    );
+
+    // Assert
+    assert!(copy_in.status.success(), "{copy_in:?}");
+    assert!(copy_out.status.success(), "{copy_out:?}");
+    assert_eq!(fs::read(guest.join("sub/f")).unwrap(), b"x");
+    assert!(!guest.join("src").exists());
+    assert_eq!(fs::read(back.join("sub/f")).unwrap(), b"x");
+    assert_eq!(fs::read(back.join("kept")).unwrap(), b"k");
+}
+
+#[test]
 fn cp_of_a_directory_without_r_says_to_use_it() {
     // Arrange
     let daemon = TestDaemon::start();
