@@ -64,13 +64,14 @@ pub async fn copy_in(
     src: &Path,
     contents: bool,
     id: &str,
-    dst: &str,
+    dst_bytes: &[u8],
 ) -> Result<u8, CpError> {
+    let dst = String::from_utf8_lossy(dst_bytes);
     let src_meta =
         fs::symlink_metadata(src).map_err(|e| failed(format!("{}: {e}", src.display())))?;
-    let target = client.stat(id, dst).await.map_err(failed)?;
+    let target = client.stat(id, dst_bytes).await.map_err(failed)?;
     let (dir, root) = match target {
-        Some(info) if info.kind == FileKind::Dir && !contents => (dst.to_owned(), None),
+        Some(info) if info.kind == FileKind::Dir && !contents => (dst_bytes.to_vec(), None),
         Some(info) if info.kind != FileKind::Dir && src_meta.is_dir() => {
             return Err(failed(format!(
                 "cannot overwrite non-directory {id}:{dst} with directory {}",
@@ -78,10 +79,12 @@ pub async fn copy_in(
             )))
         }
         _ => {
-            let parent = Path::new(dst).parent().unwrap_or(Path::new("/"));
-            let name = base_name(dst.as_bytes())
+            let parent = Path::new(OsStr::from_bytes(dst_bytes))
+                .parent()
+                .unwrap_or(Path::new("/"));
+            let name = base_name(dst_bytes)
                 .ok_or_else(|| failed(format!("{id}:{dst}: cannot copy onto /")))?;
-            (parent.to_string_lossy().into_owned(), Some(name))
+            (parent.as_os_str().as_bytes().to_vec(), Some(name))
         }
     };
     let (reader, writer) = tokio::io::duplex(256 * 1024);
@@ -159,8 +162,8 @@ fn landing(dst: &Path, contents: bool) -> Result<Landing, CpError> {
 /// `cp -r ID:/src LOCAL`: the guest's tar stream, extracted as untrusted input (no absolute
 /// names, no `..`, nothing through a symlink, set-ID bits dropped, limits). A `src` ending in
 /// `/.` copies the directory's contents into `LOCAL`.
-pub async fn copy_out(client: &Client, id: &str, src: &str, dst: &Path) -> Result<u8, CpError> {
-    let landing = landing(dst, contents_of(src.as_bytes()))?;
+pub async fn copy_out(client: &Client, id: &str, src: &[u8], dst: &Path) -> Result<u8, CpError> {
+    let landing = landing(dst, contents_of(src))?;
     let (reader, mut writer) = tokio::io::duplex(256 * 1024);
     let unpacker = tokio::task::spawn_blocking(move || {
         let options = UnpackOptions {

@@ -460,10 +460,24 @@ pub(crate) fn exit_code(exit: &bulkhead_client::ExitInfo) -> u8 {
     }
 }
 
-/// `ID:/path` → (ID, /path).
-fn remote(spec: &std::ffi::OsStr) -> Option<(&str, &str)> {
-    let (id, path) = spec.to_str()?.split_once(':')?;
-    (!id.is_empty() && !id.contains('/') && path.starts_with('/')).then_some((id, path))
+/// `ID:/path` → (ID, /path). The path is bytes (a guest file name need not be UTF-8); the ID is
+/// text without `/`.
+fn remote(spec: &std::ffi::OsStr) -> Option<(&str, &[u8])> {
+    let bytes = spec.as_encoded_bytes();
+    let colon = bytes.iter().position(|b| *b == b':')?;
+    let id = std::str::from_utf8(&bytes[..colon]).ok()?;
+    let path = &bytes[colon + 1..];
+    (!id.is_empty() && !id.contains('/') && path.first() == Some(&b'/')).then_some((id, path))
+}
+
+/// A single-file copy's guest path as text (its API takes UTF-8 only).
+fn utf8_path(path: &[u8]) -> Result<&str, String> {
+    std::str::from_utf8(path).map_err(|_| {
+        format!(
+            "guest path {:?} is not UTF-8: copy it with bulkhead cp -r, which takes any bytes",
+            String::from_utf8_lossy(path)
+        )
+    })
 }
 
 /// `bulkhead cp`.
@@ -476,6 +490,7 @@ pub fn cp(args: CpArgs) -> ExitCode {
         let (src_shown, dst_shown) = (args.src.to_string_lossy(), args.dst.to_string_lossy());
         match (remote(&args.src), remote(&args.dst)) {
             (None, Some((id, path))) => {
+                let path = utf8_path(path)?;
                 let data = match args.src.as_encoded_bytes() {
                     b"-" => {
                         let mut buf = Vec::new();
@@ -496,6 +511,7 @@ pub fn cp(args: CpArgs) -> ExitCode {
                 Ok(0)
             }
             (Some((id, path)), None) => {
+                let path = utf8_path(path)?;
                 let data = client.read_file(id, path).await.map_err(|e| {
                     let hint = if e.to_string().contains("not a regular file") {
                         " (for a directory use bulkhead cp -r)"
@@ -741,7 +757,10 @@ mod tests {
     #[test]
     fn remote_paths_need_an_id_and_an_absolute_path() {
         // Arrange / Act / Assert
-        assert_eq!(remote("abc:/tmp/x".as_ref()), Some(("abc", "/tmp/x")));
+        assert_eq!(remote("abc:/tmp/x".as_ref()), Some(("abc", &b"/tmp/x"[..])));
+        let odd =
+            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(b"abc:/tmp/n\xffme");
+        assert_eq!(remote(odd), Some(("abc", &b"/tmp/n\xffme"[..])));
         assert_eq!(remote("./local:file".as_ref()), None);
         assert_eq!(remote("abc:relative".as_ref()), None);
         assert_eq!(remote("/abs/path".as_ref()), None);

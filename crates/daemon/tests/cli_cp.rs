@@ -94,13 +94,18 @@ fn cp_r_copies_a_tree_in_and_back_out_identically() {
         .unwrap()
         .write_at(b"x", (64 << 20) - 1)
         .unwrap();
-    let guest = daemon.dir.path().join("guest-copy");
-    let remote = format!("{id}:{}", guest.display());
+    // The guest path on the command line is not UTF-8 either.
+    let guest = daemon
+        .dir
+        .path()
+        .join(OsStr::from_bytes(b"guest-\xff-copy"));
+    let remote = [format!("{id}:").as_bytes(), guest.as_os_str().as_bytes()].concat();
+    let remote = OsStr::from_bytes(&remote);
     let back = host.path().join("back");
 
     // Act
-    let copy_in = cp(&daemon, &["-r".as_ref(), src.as_os_str(), remote.as_ref()]);
-    let copy_out = cp(&daemon, &["-r".as_ref(), remote.as_ref(), back.as_os_str()]);
+    let copy_in = cp(&daemon, &["-r".as_ref(), src.as_os_str(), remote]);
+    let copy_out = cp(&daemon, &["-r".as_ref(), remote, back.as_os_str()]);
 
     // Assert
     assert!(copy_in.status.success(), "{copy_in:?}");
