@@ -16,7 +16,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 FUZZ="$ROOT/fuzz"
 WORK="$FUZZ/target/fuzz-work"
-ALL_TARGETS=(virtio_blk vsock virtio_mmio virtio_fs agent_frames boot_params snapshot_state)
+ALL_TARGETS=(virtio_blk vsock virtio_mmio virtio_fs agent_frames boot_params snapshot_state archive_unpack)
 log() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'fuzz.sh: %s\n' "$*" >&2; exit 2; }
 

@@ -24,6 +24,7 @@ pub mod conn;
 pub mod egress;
 pub mod exec;
 pub mod files;
+pub mod fsops;
 pub mod init;
 pub mod log;
 pub mod mounts;

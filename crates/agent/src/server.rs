@@ -29,7 +29,7 @@ use bulkhead_protocol::{
 };
 
 use crate::conn::Conn;
-use crate::{exec, files, init, log, restore, vsock, workspace};
+use crate::{exec, files, fsops, init, log, restore, vsock, workspace};
 
 /// Delays before the retries of the `Ready` connection (4 retries, 300 ms in all).
 const READY_RETRY_DELAYS: [Duration; 4] = [
@@ -121,12 +121,15 @@ pub fn handle_connection(mut conn: Conn, on_shutdown: ShutdownAction) {
         Frame::Shutdown(req) => shutdown(conn, req, on_shutdown),
         Frame::WorkspaceChanges(req) => workspace::serve_changes(conn, &req),
         Frame::Restored(req) => restore::serve(conn, &req),
+        Frame::ArchiveWrite(req) => fsops::serve_archive_write(conn, &req),
+        Frame::ArchiveRead(req) => fsops::serve_archive_read(conn, &req),
+        Frame::Fs(req) => fsops::serve_fs(conn, &req),
         other => reply_error(
             conn,
             ErrorCode::Protocol,
             format!(
-                "expected Exec, FileWrite, FileRead, WorkspaceChanges, Shutdown or Restored as \
-                 the first frame, got {}",
+                "expected Exec, FileWrite, FileRead, ArchiveWrite, ArchiveRead, Fs, \
+                 WorkspaceChanges, Shutdown or Restored as the first frame, got {}",
                 other.kind()
             ),
         ),

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bulkhead_client::{
@@ -160,18 +160,24 @@ fn timeout_secs(s: &str) -> Result<f64, String> {
     crate::run::parse_positive_seconds(s).map(|d| d.as_secs_f64())
 }
 
-/// `bulkhead cp`: copy a file into (`cp FILE ID:/path`) or out of (`cp ID:/path FILE`) a sandbox.
+/// `bulkhead cp`: copy a file into (`cp FILE ID:/path`) or out of (`cp ID:/path FILE`) a
+/// sandbox; with `-r`, a directory tree too.
 #[derive(Debug, clap::Args)]
 pub struct CpArgs {
     #[command(flatten)]
     daemon: DaemonOpts,
-    /// Permission bits of the guest file when copying in (octal).
+    /// Permission bits of the guest file when copying in (octal; not with -r, which keeps the
+    /// source's modes).
     #[arg(long, value_name = "OCTAL", default_value = "644", value_parser = octal)]
     mode: u32,
-    /// Source: a local file (`-` for stdin) or `ID:/path`.
-    src: String,
-    /// Destination: a local file (`-` for stdout) or `ID:/path`.
-    dst: String,
+    /// Copy directories recursively (as a tar stream): modes, symlinks (as links), empty
+    /// directories and holes of sparse files are kept.
+    #[arg(short = 'r', short_alias = 'R', long)]
+    recursive: bool,
+    /// Source: a local file or directory (`-` for stdin) or `ID:/path`.
+    src: std::ffi::OsString,
+    /// Destination: a local file or directory (`-` for stdout) or `ID:/path`.
+    dst: std::ffi::OsString,
 }
 
 /// `bulkhead rm`: destroy sandboxes.
@@ -454,26 +460,50 @@ pub(crate) fn exit_code(exit: &bulkhead_client::ExitInfo) -> u8 {
     }
 }
 
-/// `ID:/path` → (ID, /path).
-fn remote(spec: &str) -> Option<(&str, &str)> {
-    let (id, path) = spec.split_once(':')?;
-    (!id.is_empty() && !id.contains('/') && path.starts_with('/')).then_some((id, path))
+/// `ID:/path` → (ID, /path). The path is bytes (a guest file name need not be UTF-8); the ID is
+/// text without `/`.
+fn remote(spec: &std::ffi::OsStr) -> Option<(&str, &[u8])> {
+    let bytes = spec.as_encoded_bytes();
+    let colon = bytes.iter().position(|b| *b == b':')?;
+    let id = std::str::from_utf8(&bytes[..colon]).ok()?;
+    let path = &bytes[colon + 1..];
+    (!id.is_empty() && !id.contains('/') && path.first() == Some(&b'/')).then_some((id, path))
+}
+
+/// A single-file copy's guest path as text (its API takes UTF-8 only).
+fn utf8_path(path: &[u8]) -> Result<&str, String> {
+    std::str::from_utf8(path).map_err(|_| {
+        format!(
+            "guest path {:?} is not UTF-8: copy it with bulkhead cp -r, which takes any bytes",
+            String::from_utf8_lossy(path)
+        )
+    })
 }
 
 /// `bulkhead cp`.
 pub fn cp(args: CpArgs) -> ExitCode {
+    if args.recursive {
+        return cp_recursive(args);
+    }
     block_on(async move {
         let client = args.daemon.client();
+        let (src_shown, dst_shown) = (args.src.to_string_lossy(), args.dst.to_string_lossy());
         match (remote(&args.src), remote(&args.dst)) {
             (None, Some((id, path))) => {
-                let data = match args.src.as_str() {
-                    "-" => {
+                let path = utf8_path(path)?;
+                let data = match args.src.as_encoded_bytes() {
+                    b"-" => {
                         let mut buf = Vec::new();
                         std::io::stdin().read_to_end(&mut buf).map(|_| buf)
                     }
-                    local => std::fs::read(local),
+                    _ if Path::new(&args.src).is_dir() => {
+                        return Err(format!(
+                            "{src_shown} is a directory (not copied): use bulkhead cp -r"
+                        ))
+                    }
+                    _ => std::fs::read(&args.src),
                 }
-                .map_err(|e| format!("{}: {e}", args.src))?;
+                .map_err(|e| format!("{src_shown}: {e}"))?;
                 client
                     .write_file(id, path, args.mode, data)
                     .await
@@ -481,19 +511,47 @@ pub fn cp(args: CpArgs) -> ExitCode {
                 Ok(0)
             }
             (Some((id, path)), None) => {
-                let data = client
-                    .read_file(id, path)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                match args.dst.as_str() {
-                    "-" => std::io::stdout().write_all(&data),
-                    local => std::fs::write(local, &data),
+                let path = utf8_path(path)?;
+                let data = client.read_file(id, path).await.map_err(|e| {
+                    let hint = if e.to_string().contains("not a regular file") {
+                        " (for a directory use bulkhead cp -r)"
+                    } else {
+                        ""
+                    };
+                    format!("{e}{hint}")
+                })?;
+                match args.dst.as_encoded_bytes() {
+                    b"-" => std::io::stdout().write_all(&data),
+                    _ => std::fs::write(&args.dst, &data),
                 }
-                .map_err(|e| format!("{}: {e}", args.dst))?;
+                .map_err(|e| format!("{dst_shown}: {e}"))?;
                 Ok(0)
             }
             _ => Err("exactly one of SRC and DST must be ID:/absolute/path".into()),
         }
+    })
+}
+
+/// `bulkhead cp -r`: trees as tar streams (see [`crate::cp_dir`]).
+fn cp_recursive(args: CpArgs) -> ExitCode {
+    block_on(async move {
+        let client = args.daemon.client();
+        if args.src == "-" || args.dst == "-" {
+            return Err(
+                "cp -r copies between paths: '-' (stdin, stdout) is for single files".into(),
+            );
+        }
+        let result = match (remote(&args.src), remote(&args.dst)) {
+            (None, Some((id, path))) => {
+                let contents = crate::cp_dir::contents_of(args.src.as_encoded_bytes());
+                crate::cp_dir::copy_in(&client, Path::new(&args.src), contents, id, path).await
+            }
+            (Some((id, path)), None) => {
+                crate::cp_dir::copy_out(&client, id, path, Path::new(&args.dst)).await
+            }
+            _ => return Err("exactly one of SRC and DST must be ID:/absolute/path".into()),
+        };
+        result.or_else(crate::cp_dir::CpError::into_exit)
     })
 }
 
@@ -699,9 +757,12 @@ mod tests {
     #[test]
     fn remote_paths_need_an_id_and_an_absolute_path() {
         // Arrange / Act / Assert
-        assert_eq!(remote("abc:/tmp/x"), Some(("abc", "/tmp/x")));
-        assert_eq!(remote("./local:file"), None);
-        assert_eq!(remote("abc:relative"), None);
-        assert_eq!(remote("/abs/path"), None);
+        assert_eq!(remote("abc:/tmp/x".as_ref()), Some(("abc", &b"/tmp/x"[..])));
+        let odd =
+            <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(b"abc:/tmp/n\xffme");
+        assert_eq!(remote(odd), Some(("abc", &b"/tmp/n\xffme"[..])));
+        assert_eq!(remote("./local:file".as_ref()), None);
+        assert_eq!(remote("abc:relative".as_ref()), None);
+        assert_eq!(remote("/abs/path".as_ref()), None);
     }
 }

@@ -6,6 +6,7 @@
 mod bench;
 #[cfg(test)]
 mod cli_docs_tests;
+mod cp_dir;
 mod daemon_cmds;
 mod exec_attach;
 mod image_cmds;

@@ -20,6 +20,7 @@
 
 mod attach;
 mod exec;
+mod files;
 mod http;
 pub mod types;
 pub mod workspace;
@@ -33,10 +34,12 @@ use hyper::{Method, StatusCode};
 
 pub use attach::{AttachInput, AttachOutput, AttachedExec};
 pub use exec::{ExecEvent, ExecOutput, ExecStream};
+pub use files::PATH_NOT_FOUND;
 pub use types::{
-    ByteString, CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo,
-    Failure, FileWritten, Health, Limits, NetworkRequest, NetworkRule, PoolStatus, SandboxInfo,
-    SandboxState, SecretRef, WindowSize, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
+    ArchiveWritten, ByteString, CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult,
+    ExecSpec, ExitInfo, Failure, FileInfo, FileKind, FileList, FileWritten, Health, Limits,
+    NetworkRequest, NetworkRule, PoolStatus, SandboxInfo, SandboxState, SecretRef, SkippedFile,
+    WindowSize, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 pub use workspace::{
     ChangeKind, ChangeStatus, ExportFormat, ExportReview, MountSpec, SkippedPath, WorkspaceChange,
@@ -390,8 +393,13 @@ pub(crate) fn decode_b64(text: &str) -> Result<Vec<u8>, Error> {
 
 /// Percent-encodes everything but RFC 3986 unreserved characters and `/`.
 pub fn encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
+    encode_bytes(text.as_bytes())
+}
+
+/// [`encode`] for any bytes (a guest path need not be UTF-8).
+pub fn encode_bytes(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for &b in bytes {
         if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
             out.push(b as char);
         } else {

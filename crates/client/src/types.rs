@@ -477,3 +477,72 @@ pub struct ErrorBody {
     /// What went wrong.
     pub error: ErrorDetail,
 }
+
+/// Type of a guest file in a [`FileInfo`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link (never followed).
+    Symlink,
+    /// A device node, FIFO or socket.
+    Other,
+}
+
+/// One guest file as `lstat(2)` sees it: an entry of `GET .../files/list`, the answer of
+/// `GET .../files/stat`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FileInfo {
+    /// Last path component: a JSON string, or `{"base64": ...}` for a name that is not UTF-8.
+    pub name: ByteString,
+    /// Whole guest path, as `name`.
+    pub path: ByteString,
+    /// Type of the file.
+    #[serde(rename = "type")]
+    pub kind: FileKind,
+    /// Size in bytes (a symlink's is the length of its target).
+    pub size: u64,
+    /// Permission bits, e.g. 420 = 0o644.
+    pub mode: u32,
+    /// Last modification, seconds since the Unix epoch.
+    pub mtime: i64,
+    /// A symlink's target, as `name`; absent for other types.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<ByteString>,
+}
+
+/// Answer of `GET /v1/sandboxes/{id}/files/list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FileList {
+    /// The directory's entries, sorted by name.
+    pub entries: Vec<FileInfo>,
+}
+
+/// An entry an archive transfer left out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SkippedFile {
+    /// The entry (invalid UTF-8 replaced by U+FFFD).
+    pub path: String,
+    /// Why it was left out.
+    pub reason: String,
+}
+
+/// Answer of `PUT /v1/sandboxes/{id}/archive`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ArchiveWritten {
+    /// Entries extracted (directories, files, links).
+    pub entries: u64,
+    /// Bytes of file contents written, holes not counted.
+    pub bytes: u64,
+    /// Entries left out (device nodes, FIFOs).
+    #[serde(default)]
+    pub skipped: Vec<SkippedFile>,
+}

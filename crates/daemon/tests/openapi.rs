@@ -90,6 +90,12 @@ fn the_openapi_document_is_valid_and_matches_the_routes() {
         ("POST", "/v1/sandboxes/{id}/exec/attach"),
         ("PUT", "/v1/sandboxes/{id}/files"),
         ("GET", "/v1/sandboxes/{id}/files"),
+        ("DELETE", "/v1/sandboxes/{id}/files"),
+        ("GET", "/v1/sandboxes/{id}/files/list"),
+        ("GET", "/v1/sandboxes/{id}/files/stat"),
+        ("POST", "/v1/sandboxes/{id}/files/mkdir"),
+        ("PUT", "/v1/sandboxes/{id}/archive"),
+        ("GET", "/v1/sandboxes/{id}/archive"),
         ("GET", "/v1/sandboxes/{id}/workspace/diff"),
         ("GET", "/v1/sandboxes/{id}/workspace/export"),
     ]
@@ -120,7 +126,7 @@ fn methods_the_document_does_not_list_are_not_routed() {
         (Method::PUT, "/v1/sandboxes"),
         (Method::POST, "/v1/sandboxes/0123456789ab"),
         (Method::GET, "/v1/sandboxes/0123456789ab/exec"),
-        (Method::DELETE, "/v1/sandboxes/0123456789ab/files"),
+        (Method::POST, "/v1/sandboxes/0123456789ab/files"),
         (Method::POST, "/healthz"),
     ];
 

@@ -19,6 +19,7 @@ use std::io::{self, Read, Write};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::fsops::{ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FsRequest};
 use crate::messages::{
     Ack, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest,
     Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started, WindowSize,
@@ -93,6 +94,12 @@ pub enum FrameType {
     WorkspaceChanges = 0x06,
     /// Host → guest, JSON [`RestoredRequest`]: the VM was just restored from a snapshot.
     Restored = 0x07,
+    /// Host → guest, JSON [`ArchiveWriteRequest`], then `Data` (a tar stream) and `End`.
+    ArchiveWrite = 0x08,
+    /// Host → guest, JSON [`ArchiveReadRequest`].
+    ArchiveRead = 0x09,
+    /// Host → guest, JSON [`FsRequest`] (list, stat, mkdir, remove).
+    Fs = 0x0a,
     /// Guest → host, JSON [`Started`].
     Started = 0x10,
     /// Host → guest, raw bytes for the command's stdin.
@@ -115,6 +122,10 @@ pub enum FrameType {
     End = 0x21,
     /// Guest → host, JSON [`Ack`].
     Ack = 0x22,
+    /// Guest → host, JSON [`FileEntry`]: one answer of an `Fs` list or stat.
+    FileEntry = 0x23,
+    /// Guest → host, JSON [`ArchiveDone`]: last frame of an archive transfer.
+    ArchiveDone = 0x24,
     /// Guest → host, JSON [`ChangeRecord`]: one changed workspace path.
     Change = 0x30,
     /// Guest → host, JSON [`ChangesEnd`]: last frame of a change set.
@@ -124,7 +135,7 @@ pub enum FrameType {
 }
 
 impl FrameType {
-    const ALL: [FrameType; 21] = [
+    const ALL: [FrameType; 26] = [
         Self::Ready,
         Self::Exec,
         Self::FileWrite,
@@ -132,6 +143,9 @@ impl FrameType {
         Self::Shutdown,
         Self::WorkspaceChanges,
         Self::Restored,
+        Self::ArchiveWrite,
+        Self::ArchiveRead,
+        Self::Fs,
         Self::Started,
         Self::Stdin,
         Self::StdinEof,
@@ -143,6 +157,8 @@ impl FrameType {
         Self::Data,
         Self::End,
         Self::Ack,
+        Self::FileEntry,
+        Self::ArchiveDone,
         Self::Change,
         Self::ChangesEnd,
         Self::Error,
@@ -187,6 +203,12 @@ pub enum Frame {
     WorkspaceChanges(WorkspaceChangesRequest),
     /// See [`FrameType::Restored`].
     Restored(RestoredRequest),
+    /// See [`FrameType::ArchiveWrite`].
+    ArchiveWrite(ArchiveWriteRequest),
+    /// See [`FrameType::ArchiveRead`].
+    ArchiveRead(ArchiveReadRequest),
+    /// See [`FrameType::Fs`].
+    Fs(FsRequest),
     /// See [`FrameType::Started`].
     Started(Started),
     /// See [`FrameType::Stdin`].
@@ -209,6 +231,10 @@ pub enum Frame {
     End,
     /// See [`FrameType::Ack`].
     Ack(Ack),
+    /// See [`FrameType::FileEntry`].
+    FileEntry(FileEntry),
+    /// See [`FrameType::ArchiveDone`].
+    ArchiveDone(ArchiveDone),
     /// See [`FrameType::Change`].
     Change(ChangeRecord),
     /// See [`FrameType::ChangesEnd`].
@@ -233,6 +259,9 @@ impl Frame {
             Self::Shutdown(_) => FrameType::Shutdown,
             Self::WorkspaceChanges(_) => FrameType::WorkspaceChanges,
             Self::Restored(_) => FrameType::Restored,
+            Self::ArchiveWrite(_) => FrameType::ArchiveWrite,
+            Self::ArchiveRead(_) => FrameType::ArchiveRead,
+            Self::Fs(_) => FrameType::Fs,
             Self::Started(_) => FrameType::Started,
             Self::Stdin(_) => FrameType::Stdin,
             Self::StdinEof => FrameType::StdinEof,
@@ -244,6 +273,8 @@ impl Frame {
             Self::Data(_) => FrameType::Data,
             Self::End => FrameType::End,
             Self::Ack(_) => FrameType::Ack,
+            Self::FileEntry(_) => FrameType::FileEntry,
+            Self::ArchiveDone(_) => FrameType::ArchiveDone,
             Self::Change(_) => FrameType::Change,
             Self::ChangesEnd(_) => FrameType::ChangesEnd,
             Self::Error(_) => FrameType::Error,
@@ -264,6 +295,11 @@ impl Frame {
             Self::Shutdown(m) => encode_json(FrameType::Shutdown, m, out),
             Self::WorkspaceChanges(m) => encode_json(FrameType::WorkspaceChanges, m, out),
             Self::Restored(m) => encode_json(FrameType::Restored, m, out),
+            Self::ArchiveWrite(m) => encode_json(FrameType::ArchiveWrite, m, out),
+            Self::ArchiveRead(m) => encode_json(FrameType::ArchiveRead, m, out),
+            Self::Fs(m) => encode_json(FrameType::Fs, m, out),
+            Self::FileEntry(m) => encode_json(FrameType::FileEntry, m, out),
+            Self::ArchiveDone(m) => encode_json(FrameType::ArchiveDone, m, out),
             Self::Started(m) => encode_json(FrameType::Started, m, out),
             Self::Signal(m) => encode_json(FrameType::Signal, m, out),
             Self::Exit(m) => encode_json(FrameType::Exit, m, out),
@@ -304,6 +340,11 @@ impl Frame {
             FrameType::Shutdown => Self::Shutdown(json(kind, &payload)?),
             FrameType::WorkspaceChanges => Self::WorkspaceChanges(json(kind, &payload)?),
             FrameType::Restored => Self::Restored(json(kind, &payload)?),
+            FrameType::ArchiveWrite => Self::ArchiveWrite(json(kind, &payload)?),
+            FrameType::ArchiveRead => Self::ArchiveRead(json(kind, &payload)?),
+            FrameType::Fs => Self::Fs(json(kind, &payload)?),
+            FrameType::FileEntry => Self::FileEntry(json(kind, &payload)?),
+            FrameType::ArchiveDone => Self::ArchiveDone(json(kind, &payload)?),
             FrameType::Started => Self::Started(json(kind, &payload)?),
             FrameType::Signal => Self::Signal(json(kind, &payload)?),
             FrameType::Exit => Self::Exit(json(kind, &payload)?),

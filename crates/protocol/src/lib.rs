@@ -23,15 +23,20 @@
 
 #![deny(missing_docs)]
 
+pub mod archive;
 pub mod boot;
 pub mod bytes;
 pub mod client;
 pub mod frame;
+pub mod fsops;
 pub mod messages;
 pub mod workspace;
 
 pub use bytes::ByteString;
 pub use frame::{read_frame, write_frame, Frame, FrameDecoder, FrameError, FrameType};
+pub use fsops::{
+    ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FileType, FsOp, FsRequest,
+};
 pub use messages::{
     Ack, BootTimestamps, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest,
     FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started, WindowSize,

@@ -7,6 +7,7 @@
 //! there.
 
 mod agent;
+mod archive;
 mod boot;
 mod devices;
 mod fs;
@@ -25,5 +26,6 @@ pub fn all() -> Vec<Seed> {
     seeds.extend(agent::seeds());
     seeds.extend(boot::seeds());
     seeds.extend(snapshot::seeds());
+    seeds.extend(archive::seeds());
     seeds
 }

@@ -108,7 +108,7 @@ pub async fn get_file(
         .into_response())
 }
 
-fn tokio_stream_of<T: Send + 'static>(
+pub(super) fn tokio_stream_of<T: Send + 'static>(
     rx: mpsc::Receiver<T>,
 ) -> impl futures_util::Stream<Item = T> {
     futures_util::stream::unfold(rx, |mut rx| async move {
@@ -117,8 +117,8 @@ fn tokio_stream_of<T: Send + 'static>(
 }
 
 /// Writes each chunk into the channel (blocking): the agent reader's sink.
-struct ChannelSink {
-    tx: mpsc::Sender<Result<Bytes, ApiError>>,
+pub(super) struct ChannelSink {
+    pub(super) tx: mpsc::Sender<Result<Bytes, ApiError>>,
 }
 
 impl Write for ChannelSink {
@@ -135,7 +135,7 @@ impl Write for ChannelSink {
 }
 
 /// The request body as a byte stream that fails (setting `over`) past `limit` bytes.
-fn limited(
+pub(super) fn limited(
     body: Body,
     limit: u64,
     over: Arc<AtomicBool>,
@@ -159,7 +159,7 @@ fn too_large(limit: u64) -> ApiError {
 }
 
 /// The `path` query parameter: absolute, no `..` components, no NUL, at most 4096 bytes.
-fn guest_path(query: Option<&str>) -> Result<String, ApiError> {
+pub(super) fn guest_path(query: Option<&str>) -> Result<String, ApiError> {
     let path = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
         .find(|(k, _)| k == "path")
         .map(|(_, v)| v.into_owned())
@@ -174,6 +174,53 @@ fn guest_path(query: Option<&str>) -> Result<String, ApiError> {
         )));
     }
     Ok(path)
+}
+
+/// [`guest_path`] as bytes: the percent-decoded `path` parameter need not be UTF-8 (for the
+/// archive and list/stat/mkdir/remove endpoints; `+` is a space, as in forms).
+pub(super) fn guest_path_bytes(query: Option<&str>) -> Result<Vec<u8>, ApiError> {
+    let raw = query
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("path="))
+        .ok_or_else(|| ApiError::invalid("the path query parameter is required"))?;
+    let path = percent_decode(raw.as_bytes())
+        .ok_or_else(|| ApiError::invalid("the path query parameter has a bad %-escape"))?;
+    let bad = path.first() != Some(&b'/')
+        || path.len() > MAX_PATH
+        || path.contains(&0)
+        || path.split(|b| *b == b'/').any(|c| c == b"..");
+    if bad {
+        return Err(ApiError::invalid(format!(
+            "path {:?} must be absolute, without '..' components, at most {MAX_PATH} bytes",
+            String::from_utf8_lossy(&path)
+        )));
+    }
+    Ok(path)
+}
+
+/// `%XX` escapes to bytes and `+` to a space; `None` for a malformed escape.
+fn percent_decode(raw: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        match raw[i] {
+            b'%' => {
+                let hex = std::str::from_utf8(raw.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    Some(out)
 }
 
 fn mode_of(headers: &HeaderMap) -> Result<u32, ApiError> {
@@ -212,6 +259,12 @@ mod tests {
         // Assert
         assert!(results.iter().all(Result::is_err), "{results:?}");
         assert_eq!(guest_path(Some("path=%2Ftmp%2Fa%20b")).unwrap(), "/tmp/a b");
+        let bytes: Vec<_> = queries.iter().map(|q| guest_path_bytes(Some(q))).collect();
+        assert!(bytes.iter().all(Result::is_err), "{bytes:?}");
+        assert_eq!(
+            guest_path_bytes(Some("x=1&path=/t/n%FFme")).unwrap(),
+            b"/t/n\xffme"
+        );
     }
 
     #[test]

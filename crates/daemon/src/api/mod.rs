@@ -5,6 +5,7 @@ pub mod attach;
 pub mod error;
 pub mod exec;
 pub mod files;
+pub mod fsops;
 pub mod sandboxes;
 pub mod system;
 pub mod workspace;
@@ -45,6 +46,12 @@ pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
         attach::exec_attach,
         files::put_file,
         files::get_file,
+        fsops::put_archive,
+        fsops::get_archive,
+        fsops::list,
+        fsops::stat,
+        fsops::mkdir,
+        fsops::remove,
         workspace::diff,
         workspace::export,
     ),
@@ -59,6 +66,11 @@ pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
         bulkhead_client::ExecResult,
         bulkhead_client::ExitInfo,
         bulkhead_client::FileWritten,
+        bulkhead_client::FileInfo,
+        bulkhead_client::FileKind,
+        bulkhead_client::FileList,
+        bulkhead_client::ArchiveWritten,
+        bulkhead_client::SkippedFile,
         bulkhead_client::Health,
         bulkhead_client::PoolStatus,
         bulkhead_client::ErrorBody,
@@ -110,8 +122,17 @@ pub fn router(manager: Manager) -> Router {
         .route("/v1/sandboxes/{id}/exec/attach", post(attach::exec_attach))
         .route(
             "/v1/sandboxes/{id}/files",
-            put(files::put_file).get(files::get_file),
+            put(files::put_file)
+                .get(files::get_file)
+                .delete(fsops::remove),
         )
+        .route(
+            "/v1/sandboxes/{id}/archive",
+            put(fsops::put_archive).get(fsops::get_archive),
+        )
+        .route("/v1/sandboxes/{id}/files/list", get(fsops::list))
+        .route("/v1/sandboxes/{id}/files/stat", get(fsops::stat))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(fsops::mkdir))
         .route("/v1/sandboxes/{id}/workspace/diff", get(workspace::diff))
         .route(
             "/v1/sandboxes/{id}/workspace/export",

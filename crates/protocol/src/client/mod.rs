@@ -13,6 +13,7 @@
 //! ```
 
 mod exec;
+mod files;
 mod hybrid;
 mod ready;
 mod workspace;
@@ -23,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use exec::{ExecEvent, ExecOutput, ExecReader, ExecSession, ExecWriter};
+pub use files::{ARCHIVE_TIMEOUT, MAX_LIST_ENTRIES};
 pub use hybrid::connect_hybrid;
 pub use ready::accept_ready;
 pub use workspace::{ChangeEvent, ChangeStream, CHANGES_READ_TIMEOUT};
