@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use bulkhead_client::{
     ByteString, Client, CreateSandbox, ExecEvent, ExecSpec, NetworkRequest, NetworkRule,
-    SandboxInfo, SecretRef, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
+    SandboxInfo, SecretRef,
 };
 use bulkhead_sandbox::{Mount, Workspace};
 
@@ -137,10 +137,15 @@ pub struct ExecArgs {
     /// Kill the command after this many seconds (exit status 124).
     #[arg(long, value_name = "SECS", value_parser = timeout_secs)]
     timeout: Option<f64>,
-    /// Send all of our stdin to the command (read before it starts; at most 756 KiB, larger
-    /// inputs go in with `bulkhead cp`).
-    #[arg(long, short = 'i')]
+    /// Keep stdin open: stream ours to the command for as long as it is open (no size limit).
+    /// The exec still ends when the command does.
+    #[arg(long = "interactive", short = 'i')]
     stdin: bool,
+    /// Run the command on a pseudo-terminal (with -i: an interactive session, e.g.
+    /// `exec -it ID -- bash`); our terminal goes into raw mode until it ends and its size
+    /// changes are forwarded. Needs a terminal on stdin.
+    #[arg(long, short = 't')]
+    tty: bool,
     /// The sandbox: its ID, or a prefix of it that no other sandbox's ID starts with.
     #[arg(value_parser = clap::builder::NonEmptyStringValueParser::new())]
     id: String,
@@ -395,10 +400,14 @@ pub fn exec(args: ExecArgs) -> ExitCode {
         spec.cwd = args.workdir.map(ByteString::from);
         spec.user = args.user;
         spec.timeout_s = args.timeout;
-        if args.stdin {
-            let input = read_exec_stdin(std::io::stdin().lock())?;
-            use base64::Engine as _;
-            spec.stdin = Some(base64::engine::general_purpose::STANDARD.encode(input));
+        if args.stdin || args.tty {
+            let attach = crate::exec_attach::Attach {
+                client: args.daemon.client(),
+                id: &args.id,
+                stdin: args.stdin,
+                tty: args.tty,
+            };
+            return crate::exec_attach::run(attach, spec).await;
         }
         let mut stream = args
             .daemon
@@ -432,29 +441,8 @@ pub fn exec(args: ExecArgs) -> ExitCode {
     })
 }
 
-/// All of `input` for `exec -i`, refused with an explanation when it is larger than
-/// [`MAX_EXEC_STDIN_BYTES`] (reads at most one byte more than that): it travels base64 in the
-/// JSON request body, whose size the daemon limits.
-fn read_exec_stdin(input: impl Read) -> Result<Vec<u8>, String> {
-    let mut bytes = Vec::new();
-    input
-        .take(MAX_EXEC_STDIN_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("reading stdin: {e}"))?;
-    if bytes.len() > MAX_EXEC_STDIN_BYTES {
-        return Err(format!(
-            "stdin is larger than {MAX_EXEC_STDIN_BYTES} bytes ({} KiB), the most `exec -i` can send \
-             (it travels base64-encoded in a request body of at most {} MiB); copy a large input \
-             into the sandbox with `bulkhead cp FILE ID:/path` and redirect the command's stdin \
-             from it",
-            MAX_EXEC_STDIN_BYTES >> 10,
-            MAX_JSON_BYTES >> 20
-        ));
-    }
-    Ok(bytes)
-}
-
-fn exit_code(exit: &bulkhead_client::ExitInfo) -> u8 {
+/// `bulkhead exec`'s exit status for how the command ended.
+pub(crate) fn exit_code(exit: &bulkhead_client::ExitInfo) -> u8 {
     if exit.timed_out {
         eprintln!("bulkhead: the command timed out and was killed");
         return crate::run::EXIT_TIMEOUT;
@@ -706,23 +694,6 @@ mod tests {
         assert_eq!(spec.mounts.len(), 2);
         assert!(spec.mounts[0].ro && !spec.mounts[1].ro);
         assert_eq!(spec.mounts[1].host, cwd.join("cache").display().to_string());
-    }
-
-    #[test]
-    fn exec_stdin_up_to_the_limit_is_sent_and_more_is_refused_naming_cp() {
-        // Arrange
-        let fits = vec![b'x'; MAX_EXEC_STDIN_BYTES];
-        let too_big = vec![b'x'; MAX_EXEC_STDIN_BYTES + 1];
-
-        // Act
-        let sent = read_exec_stdin(fits.as_slice());
-        let refused = read_exec_stdin(too_big.as_slice());
-
-        // Assert
-        assert_eq!(sent.unwrap().len(), MAX_EXEC_STDIN_BYTES);
-        let err = refused.unwrap_err();
-        assert!(err.contains("larger than 774144 bytes (756 KiB)"), "{err}");
-        assert!(err.contains("bulkhead cp"), "{err}");
     }
 
     #[test]

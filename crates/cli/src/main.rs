@@ -7,6 +7,7 @@ mod bench;
 #[cfg(test)]
 mod cli_docs_tests;
 mod daemon_cmds;
+mod exec_attach;
 mod image_cmds;
 mod machine;
 mod network;
@@ -15,6 +16,7 @@ mod run_export;
 mod rundir;
 mod signals;
 mod template;
+mod terminal;
 mod workspace_cmds;
 
 use std::process::ExitCode;

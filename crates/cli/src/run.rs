@@ -157,6 +157,14 @@ pub struct RunArgs {
     /// bytes) in FILE; without it the log goes with the sandbox.
     #[arg(long = "egress-log", value_name = "FILE")]
     egress_log: Option<PathBuf>,
+    /// Run the command on a pseudo-terminal (`run -it -- bash`): our terminal goes into raw
+    /// mode until the command ends (Ctrl-C reaches the guest's foreground job) and its size
+    /// changes are forwarded. Needs a terminal on stdin.
+    #[arg(short = 't', long)]
+    pub(crate) tty: bool,
+    /// Accepted as `docker run -i` is: `bulkhead run` always streams stdin to the command.
+    #[arg(short = 'i', long)]
+    interactive: bool,
     /// The command and its arguments (any bytes: Linux argv is not UTF-8).
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD",
         value_parser = clap::value_parser!(OsString))]
@@ -272,6 +280,9 @@ pub(crate) fn parse_positive_seconds(s: &str) -> Result<Duration, String> {
 /// # Errors
 /// A message for everything that is bulkhead's failure rather than the command's.
 pub fn run(args: RunArgs) -> Result<u8, String> {
+    if args.tty {
+        crate::terminal::require_stdin_tty()?;
+    }
     if let Some(name) = &args.template {
         return crate::template::restore::run(&args, name);
     }
@@ -643,6 +654,8 @@ pub(crate) fn exec_request(args: &RunArgs, defaults: &ExecDefaults) -> ExecReque
         .collect();
     let mut request = defaults.request(args.command.clone(), &bytes_only, None, None);
     request.stdin = true;
+    request.tty = args.tty;
+    request.window = args.tty.then(crate::terminal::size).flatten();
     request.timeout_ms = args
         .timeout
         .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -693,6 +706,10 @@ fn run_command(
     let watchdog = watched_timeout(request).map(|t| arm_watchdog(t, &writer, sandbox));
     router.command_started(writer.clone());
     let signaller = writer.clone();
+    let _terminal = match request.tty {
+        true => Some(crate::terminal::session(&writer)?),
+        false => None,
+    };
     if request.stdin {
         forward_stdin(writer);
     }

@@ -31,7 +31,8 @@ pub(crate) async fn send(
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         // Errors surface through `send_request` or the body; nothing to add here.
-        let _ = connection.await;
+        // With upgrades, so an attached exec (101) keeps its connection.
+        let _ = connection.with_upgrades().await;
     });
     let mut request = Request::builder()
         .method(method)

@@ -18,6 +18,7 @@
 //! and used concurrently.
 #![deny(missing_docs)]
 
+mod attach;
 mod exec;
 mod http;
 pub mod types;
@@ -30,11 +31,12 @@ use base64::Engine as _;
 use bytes::Bytes;
 use hyper::{Method, StatusCode};
 
+pub use attach::{AttachInput, AttachOutput, AttachedExec};
 pub use exec::{ExecEvent, ExecOutput, ExecStream};
 pub use types::{
     ByteString, CreateSandbox, ErrorBody, ErrorDetail, ExecLine, ExecResult, ExecSpec, ExitInfo,
     Failure, FileWritten, Health, Limits, NetworkRequest, NetworkRule, PoolStatus, SandboxInfo,
-    SandboxState, SecretRef, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
+    SandboxState, SecretRef, WindowSize, MAX_EXEC_STDIN_BYTES, MAX_JSON_BYTES,
 };
 pub use workspace::{
     ChangeKind, ChangeStatus, ExportFormat, ExportReview, MountSpec, SkippedPath, WorkspaceChange,
@@ -46,6 +48,10 @@ pub const DEFAULT_SOCKET: &str = "/run/bulkhead/bulkheadd.sock";
 
 /// Environment variable naming the daemon's socket.
 pub const SOCKET_ENV: &str = "BULKHEAD_SOCKET";
+
+/// The `Upgrade` token of `POST /v1/sandboxes/{id}/exec/attach`: after `101 Switching
+/// Protocols` the connection carries agent-protocol frames (`docs/daemon.md`).
+pub const ATTACH_PROTOCOL: &str = "bulkhead-exec";
 
 /// Request header carrying a file's permission bits (octal, e.g. `644`) on `PUT .../files`.
 pub const MODE_HEADER: &str = "x-bulkhead-mode";
@@ -183,6 +189,23 @@ impl Client {
         let response =
             http::send(&self.socket, Method::POST, &path, Some(to_json(spec)?), &[]).await?;
         ExecStream::from_response(response).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/exec/attach`: starts a command whose stdin streams (no size
+    /// limit, back-pressure), on a terminal when `spec.tty` is set; `spec.stdin` must be
+    /// `None`.
+    pub async fn exec_attach(&self, id: &str, spec: &ExecSpec) -> Result<AttachedExec, Error> {
+        let path = sandbox_path(id, "/exec/attach");
+        let headers = [("connection", "Upgrade"), ("upgrade", ATTACH_PROTOCOL)];
+        let response = http::send(
+            &self.socket,
+            Method::POST,
+            &path,
+            Some(to_json(spec)?),
+            &headers,
+        )
+        .await?;
+        AttachedExec::start(response).await
     }
 
     /// `POST /v1/sandboxes/{id}/exec/collect`: runs a command and returns all its output.

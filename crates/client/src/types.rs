@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use bulkhead_protocol::ByteString;
+pub use bulkhead_protocol::{ByteString, WindowSize};
 
 use crate::workspace::{MountSpec, WorkspaceSpec};
 
@@ -353,6 +353,13 @@ pub struct ExecSpec {
     /// Seconds after which the command's whole process group is killed (`exit.timed_out`).
     #[serde(default)]
     pub timeout_s: Option<f64>,
+    /// Run the command on a pseudo-terminal (`docker exec -t`): one output stream (`stdout`),
+    /// Ctrl-C as `0x03` on stdin, `TERM=xterm` unless `env` names one.
+    #[serde(default)]
+    pub tty: bool,
+    /// The terminal's size at start (with `tty`); 24 × 80 when absent.
+    #[serde(default)]
+    pub window: Option<WindowSize>,
 }
 
 impl ExecSpec {

@@ -7,24 +7,10 @@ mod common;
 
 use std::io::Read as _;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{rt, spec_with_labels, TestDaemon};
-
-/// `target/<profile>/bulkhead`, built alongside this test.
-fn cli() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let cli = dir.join("bulkhead");
-    assert!(
-        cli.is_file(),
-        "{} is missing: run `cargo build --workspace --bins` first",
-        cli.display()
-    );
-    cli
-}
+use common::{cli, rt, spec_with_labels, TestDaemon};
 
 /// A daemon with one running sandbox; returns it and the sandbox's ID.
 fn daemon_with_sandbox() -> (TestDaemon, String) {

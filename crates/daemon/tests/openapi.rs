@@ -87,6 +87,7 @@ fn the_openapi_document_is_valid_and_matches_the_routes() {
         ("GET", "/v1/sandboxes/{id}/egress"),
         ("POST", "/v1/sandboxes/{id}/exec"),
         ("POST", "/v1/sandboxes/{id}/exec/collect"),
+        ("POST", "/v1/sandboxes/{id}/exec/attach"),
         ("PUT", "/v1/sandboxes/{id}/files"),
         ("GET", "/v1/sandboxes/{id}/files"),
         ("GET", "/v1/sandboxes/{id}/workspace/diff"),

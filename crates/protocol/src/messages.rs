@@ -87,6 +87,7 @@ pub struct ExecRequest {
 /// A terminal's size in character cells (`struct winsize` of `TIOCSWINSZ`, without pixels).
 /// Host → guest as the payload of a `Resize` frame and in [`ExecRequest::window`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct WindowSize {
     /// Rows (lines), 1..=65535.
     pub rows: u16,

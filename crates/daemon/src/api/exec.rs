@@ -47,7 +47,7 @@ pub async fn exec_stream(
     Path(id): Path<String>,
     ApiJson(spec): ApiJson<ExecSpec>,
 ) -> Result<Response, ApiError> {
-    let session = start(&manager, &id, &spec).await?;
+    let session = start(&manager, &id, &spec, Stdin::Buffered).await?;
     let (writer, reader) = session.split();
     let guard = KillOnDrop::new(writer);
     let (tx, rx) = mpsc::channel::<ExecLine>(CHANNEL_LINES);
@@ -86,7 +86,7 @@ pub async fn exec_collect(
     ApiJson(spec): ApiJson<ExecSpec>,
 ) -> Result<Json<ExecResult>, ApiError> {
     let limit = manager.config().max_collect_bytes;
-    let session = start(&manager, &id, &spec).await?;
+    let session = start(&manager, &id, &spec, Stdin::Buffered).await?;
     let (writer, reader) = session.split();
     let guard = KillOnDrop::new(writer);
     let finished = guard.finished.clone();
@@ -98,10 +98,32 @@ pub async fn exec_collect(
     result.map(Json)
 }
 
-/// Validates `spec`, starts the command and feeds its stdin.
-async fn start(manager: &Manager, id: &str, spec: &ExecSpec) -> Result<ExecSession, ApiError> {
+/// Where an exec's stdin comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stdin {
+    /// The spec's base64 `stdin` (or none: `/dev/null`).
+    Buffered,
+    /// Frames on an attached connection ([`super::attach`]); the spec has no `stdin`.
+    Streamed,
+}
+
+/// Validates `spec`, starts the command and feeds its buffered stdin.
+pub(super) async fn start(
+    manager: &Manager,
+    id: &str,
+    spec: &ExecSpec,
+    input: Stdin,
+) -> Result<ExecSession, ApiError> {
     let handle = manager.agent(id)?;
-    let (request, stdin) = protocol_request(spec, &handle)?;
+    let (mut request, stdin) = protocol_request(spec, &handle)?;
+    if input == Stdin::Streamed {
+        if stdin.is_some() {
+            return Err(ApiError::invalid(
+                "an attached exec streams its stdin on the connection: leave `stdin` out",
+            ));
+        }
+        request.stdin = true;
+    }
     let client = handle.client;
     let started = tokio::task::spawn_blocking(move || client.exec(&request))
         .await
@@ -165,17 +187,19 @@ fn protocol_request(
     );
     request.stdin = stdin.is_some();
     request.timeout_ms = timeout_ms;
+    request.tty = spec.tty;
+    request.window = spec.window;
     Ok((request, stdin))
 }
 
 /// Closes the agent connection (killing the command) when dropped before the command ended.
-struct KillOnDrop {
-    writer: ExecWriter,
-    finished: Arc<AtomicBool>,
+pub(super) struct KillOnDrop {
+    pub(super) writer: ExecWriter,
+    pub(super) finished: Arc<AtomicBool>,
 }
 
 impl KillOnDrop {
-    fn new(writer: ExecWriter) -> Self {
+    pub(super) fn new(writer: ExecWriter) -> Self {
         KillOnDrop {
             writer,
             finished: Arc::new(AtomicBool::new(false)),

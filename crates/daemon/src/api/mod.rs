@@ -1,6 +1,7 @@
 //! The HTTP API (axum) and its OpenAPI document (utoipa), generated from the handlers'
 //! annotations and the `bulkhead-client` types.
 
+pub mod attach;
 pub mod error;
 pub mod exec;
 pub mod files;
@@ -41,6 +42,7 @@ pub const MAX_JSON_BYTES: usize = bulkhead_client::MAX_JSON_BYTES;
         sandboxes::egress,
         exec::exec_stream,
         exec::exec_collect,
+        attach::exec_attach,
         files::put_file,
         files::get_file,
         workspace::diff,
@@ -105,6 +107,7 @@ pub fn router(manager: Manager) -> Router {
         .route("/v1/sandboxes/{id}/egress", get(sandboxes::egress))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec_stream))
         .route("/v1/sandboxes/{id}/exec/collect", post(exec::exec_collect))
+        .route("/v1/sandboxes/{id}/exec/attach", post(attach::exec_attach))
         .route(
             "/v1/sandboxes/{id}/files",
             put(files::put_file).get(files::get_file),

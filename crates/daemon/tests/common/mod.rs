@@ -277,6 +277,20 @@ pub fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// `target/<profile>/bulkhead`, the CLI built alongside these tests (`scripts/test.sh` runs
+/// `cargo build --workspace --bins` first).
+pub fn cli() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let cli = dir.join("bulkhead");
+    assert!(
+        cli.is_file(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        cli.display()
+    );
+    cli
+}
+
 /// A current-thread tokio runtime for the async client.
 pub fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
