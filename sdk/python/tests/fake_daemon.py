@@ -9,7 +9,7 @@ import socketserver
 import tempfile
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 
 @dataclass
@@ -32,6 +32,8 @@ class Answer:
     headers: Dict[str, str] = field(default_factory=dict)
     #: Close the connection in the middle of a chunk after ``chunks`` (a daemon that died).
     cut: bool = False
+    #: Answer 101 and hand the connection (reader, writer) to this function instead.
+    upgrade: Optional[Callable[[Any, Any], None]] = None
 
 
 def json_answer(status: int, text: str) -> Answer:
@@ -104,6 +106,15 @@ class FakeDaemon:
                     self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body
                 )
                 answer = fake._answer(request)
+                if answer.upgrade is not None:
+                    self.send_response(101)
+                    self.send_header("Connection", "Upgrade")
+                    self.send_header("Upgrade", request.headers.get("upgrade", ""))
+                    self.end_headers()
+                    self.wfile.flush()
+                    answer.upgrade(self.rfile, self.wfile)
+                    self.close_connection = True
+                    return
                 self.send_response(answer.status)
                 for key, value in answer.headers.items():
                     self.send_header(key, value)

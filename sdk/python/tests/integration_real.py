@@ -97,6 +97,24 @@ class OneSandboxTest(unittest.TestCase):
         self.assertEqual((result.exit_code, result.stdout), (0, b"\xff\xfe|\xe9"))
         self.assertEqual(env.stdout, b"\x80x")
 
+    def test_an_attached_exec_streams_stdin_past_the_exec_limit_and_runs_on_a_terminal(self) -> None:
+        # Arrange
+        data = bytes(range(256)) * 8192  # 2 MiB, beyond an exec's 756 KiB stdin
+
+        # Act
+        with self.sb.attach(["wc", "-c"]) as att:
+            att.write(data)
+            att.close_stdin()
+            counted = att.wait()
+        with self.sb.attach(["sh", "-c", "test -t 0 && test -t 1 && echo on-a-tty"], tty=True) as term:
+            shown = term.wait()
+
+        # Assert
+        self.assertEqual((counted.exit_code, counted.stdout.strip()), (0, str(len(data)).encode()))
+        self.assertGreater(att.pid or 0, 0)
+        self.assertEqual(shown.exit_code, 0)
+        self.assertIn(b"on-a-tty", shown.stdout)
+
     def test_the_stream_form_feeds_stdin_and_ends_with_the_exit(self) -> None:
         # Act
         events = list(self.sb.exec_stream(["cat"], stdin=b"\x00bytes\xff"))

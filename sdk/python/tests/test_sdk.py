@@ -6,9 +6,10 @@ import base64
 import io
 import json
 import os
+import struct
 import tempfile
 import unittest
-from typing import List
+from typing import BinaryIO, List, Tuple
 from unittest import mock
 
 import bulkhead
@@ -321,6 +322,83 @@ class ExecTest(DaemonTest):
         # Act / Assert
         with self.assertRaises(bulkhead.ProtocolError):
             self.sb.exec(["x"])
+
+
+def read_frame(rfile: BinaryIO) -> Tuple[int, bytes]:
+    length, kind = struct.unpack("<IB", rfile.read(5))
+    return kind, rfile.read(length - 1)
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    return struct.pack("<IB", len(payload) + 1, kind) + payload
+
+
+class AttachTest(DaemonTest):
+    def test_stdin_streams_in_frames_and_the_output_comes_back_until_the_exit(self) -> None:
+        # Arrange: a daemon side that echoes stdin to stdout until StdinEof.
+        received: List[Tuple[int, bytes]] = []
+
+        def echo(rfile: BinaryIO, wfile: BinaryIO) -> None:
+            wfile.write(frame(0x10, b'{"pid": 7}'))
+            wfile.flush()
+            while True:
+                kind, payload = read_frame(rfile)
+                received.append((kind, payload))
+                if kind == 0x12:
+                    break
+                wfile.write(frame(0x14, payload))
+            wfile.write(frame(0x15, b"e") + frame(0x16, b'{"code": 3, "signal": null, "timed_out": false}'))
+            wfile.flush()
+
+        self.daemon.route("POST", SB_PATH + "/exec/attach", Answer(upgrade=echo))
+        data = bytes(range(256)) * 160  # 40 KiB: three frames
+
+        # Act
+        with self.sb.attach(["cat"], env={"A": "1"}, tty=True, window=(30, 100)) as att:
+            att.write(data)
+            att.close_stdin()
+            result = att.wait()
+
+        # Assert
+        self.assertEqual(att.pid, 7)
+        self.assertEqual((result.exit_code, result.stdout, result.stderr), (3, data, b"e"))
+        self.assertEqual([len(p) for k, p in received], [16384, 16384, 8192, 0])
+        request = self.daemon.requests[0]
+        self.assertEqual((request.headers["connection"], request.headers["upgrade"]), ("Upgrade", "bulkhead-exec"))
+        self.assertEqual(
+            json.loads(request.body),
+            {"argv": ["cat"], "env": {"A": "1"}, "tty": True, "window": {"rows": 30, "cols": 100}},
+        )
+
+    def test_a_refused_attach_raises_the_api_error(self) -> None:
+        # Arrange
+        self.daemon.route("POST", SB_PATH + "/exec/attach", error_answer(409, "conflict", "sandbox is paused"))
+
+        # Act / Assert
+        with self.assertRaises(bulkhead.Conflict) as caught:
+            self.sb.attach(["cat"])
+        self.assertEqual(caught.exception.message, "sandbox is paused")
+
+    def test_an_error_frame_raises_and_a_missing_started_frame_is_a_protocol_error(self) -> None:
+        # Arrange
+        def fail(rfile: BinaryIO, wfile: BinaryIO) -> None:
+            wfile.write(frame(0x10, b'{"pid": 1}') + frame(0x7F, b'{"code": "other", "message": "VM died"}'))
+            wfile.flush()
+
+        def mute(rfile: BinaryIO, wfile: BinaryIO) -> None:
+            wfile.write(frame(0x14, b"x"))
+            wfile.flush()
+
+        self.daemon.route("POST", SB_PATH + "/exec/attach", Answer(upgrade=fail))
+
+        # Act / Assert
+        with self.assertRaises(bulkhead.SandboxError) as caught:
+            with self.sb.attach(["x"]) as att:
+                att.wait()
+        self.assertEqual(caught.exception.message, "VM died")
+        self.daemon.route("POST", SB_PATH + "/exec/attach", Answer(upgrade=mute))
+        with self.assertRaises(bulkhead.ProtocolError):
+            self.sb.attach(["x"])
 
 
 class NdjsonTest(unittest.TestCase):

@@ -8,6 +8,7 @@ Standard library only: HTTP/1.1 + JSON over the daemon's Unix socket (``socket=`
 ...     print(sb.exec(["uname", "-r"]).stdout.decode())
 """
 
+from ._attach import Attached
 from ._transport import DEFAULT_SOCKET, SOCKET_ENV
 from .errors import (
     BulkheadError,
@@ -45,6 +46,7 @@ from .types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Attached",
     "DEFAULT_SOCKET",
     "MAX_EXEC_STDIN_BYTES",
     "SOCKET_ENV",

@@ -128,6 +128,15 @@ class Transport:
         #: creates wait for a VM's boot and execs for their command).
         self.timeout = timeout
 
+    def connect(self) -> socket.socket:
+        """A new connection to the daemon (for an upgraded request); raises
+        :class:`~bulkhead.errors.DaemonUnavailable` when the socket cannot be reached."""
+        conn = _UnixConnection(self.path, self.timeout)
+        conn.connect()
+        assert conn.sock is not None
+        sock: socket.socket = conn.sock
+        return sock
+
     def request(
         self,
         method: str,

@@ -106,6 +106,10 @@ _STREAM_CODES = {
     "guest_exhausted": 507,
     "agent_protocol": 502,
     "agent_unreachable": 502,
+    # The agent's own codes (docs/agent-protocol.md), in an attached exec's Error frame.
+    "permission_denied": 403,
+    "invalid_request": 400,
+    "resource_exhausted": 507,
 }
 
 

@@ -15,11 +15,13 @@ from typing import (
     Mapping,
     Optional,
     Sequence,
+    Tuple,
     Union,
 )
 from urllib.parse import quote, urlencode
 
-from . import _ndjson
+from . import _attach, _ndjson
+from ._attach import Attached
 from ._transport import Response, Transport, socket_path
 from .errors import DaemonUnavailable, ExecInterrupted, NotFound, ProtocolError, TooLarge
 from .types import (
@@ -324,6 +326,35 @@ class Sandbox:
             ) from err
         finally:
             response.close()
+
+    def attach(
+        self,
+        cmd: Command,
+        *,
+        env: Optional[Mapping[str, Bytes]] = None,
+        cwd: Optional[Bytes] = None,
+        user: Optional[str] = None,
+        timeout: Optional[float] = None,
+        tty: bool = False,
+        window: Optional[Tuple[int, int]] = None,
+    ) -> Attached:
+        """Starts a command with its stdin held open (``POST .../exec/attach``): feed it with
+        ``write``/``close_stdin`` (no size limit), read its events by iterating or ``wait()``.
+        ``tty=True`` runs it on a pseudo-terminal (one output stream, ``TERM=xterm``) of
+        ``window`` = (rows, cols), default 24 × 80; ``resize`` changes it. The other arguments
+        are :meth:`exec`'s."""
+        spec = _exec_spec(cmd, stdin=None, env=env, cwd=cwd, user=user, timeout=timeout)
+        if tty:
+            spec["tty"] = True
+        if window is not None:
+            spec["window"] = {"rows": window[0], "cols": window[1]}
+        sock = self.client.transport.connect()
+        try:
+            reader = _attach.upgrade(sock, _sandbox_path(self.id) + "/exec/attach", spec)
+            return Attached(sock, reader)
+        except BaseException:
+            sock.close()
+            raise
 
     def diff(self) -> WorkspaceDiff:
         """What changed in the sandbox's workspace: for a clone workspace every path the guest
