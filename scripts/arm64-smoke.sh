@@ -45,6 +45,10 @@
 #                            sh -c 'echo out; echo err >&2; exit 7' → 7 with stdout/stderr apart
 #   run-kill9, run-10mib     sh -c 'kill -9 $$' → 137; 10 MiB from /dev/urandom arrive on stdout
 #                            with the sha256 the guest printed on stderr
+#   run-tty                  bulkhead run -t with the emulated host's console as its terminal:
+#                            the guest command's `tty` is a /dev/pts/N, `stty size` the default
+#                            24 80 (a serial console has no size), non-UTF-8 argv bytes arrive
+#                            as sent, and the console's settings are the same before and after
 #   run-disk, run-virtiofs-read, run-virtiofs-write
 #                            one run with --disk-file /data/disk.ext4:ro (mounted as /dev/vda, a
 #                            known file read) and --mount /tmp/share:/mnt/share (virtio-fs: a host
@@ -215,7 +219,7 @@ HOST_SETUP
 # The names of GUEST=run's checks, in the order the host's /init runs them (run_checks_script);
 # check_console fails unless each printed an ok line.
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
-    boot-poweroff run-uname run-exit7 run-kill9 run-10mib run-disk run-virtiofs-read
+    boot-poweroff run-uname run-exit7 run-kill9 run-tty run-10mib run-disk run-virtiofs-read
     run-virtiofs-write run-egress template-clone clone-distinct clone-clock)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
@@ -347,6 +351,19 @@ if [ "$status" = 137 ]; then
     ok run-kill9 "status 137"
 else
     fail run-kill9 "status $status" /tmp/run-kill9.out /tmp/run-kill9.err /tmp/run-kill9.console
+fi
+# A terminal exec: the console (this /init's stdin) is the local terminal of `run -t`.
+before=$(stty -g </dev/console)
+brun run-tty -t -- sh -c 'tty; stty size; printf "%s" "$1" | od -An -tx1' sh "$(printf 'a\377')" </dev/console
+after=$(stty -g </dev/console)
+tty_out=$(tr -d '\r' </tmp/run-tty.out)
+if [ "$status" = 0 ] && echo "$tty_out" | grep -q '^/dev/pts/[0-9]' &&
+    echo "$tty_out" | grep -qx '24 80' && echo "$tty_out" | grep -q '61 ff' &&
+    [ "$before" = "$after" ]; then
+    ok run-tty "status 0, $(echo "$tty_out" | tr '\n' ' ')console settings restored"
+else
+    fail run-tty "status $status, settings before [$before] after [$after]" /tmp/run-tty.out \
+        /tmp/run-tty.err /tmp/run-tty.console
 fi
 brun run-10mib --memory 256 -- \
     sh -c 'head -c 10485760 /dev/urandom >/tmp/r && sha256sum /tmp/r >&2 && cat /tmp/r'

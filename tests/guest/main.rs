@@ -14,3 +14,4 @@ mod run_export;
 mod sandbox_api;
 mod snapshot;
 mod template;
+mod terminal;

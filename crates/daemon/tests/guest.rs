@@ -754,6 +754,70 @@ vm_test!(
 );
 
 vm_test!(
+    fn exec_i_streams_200_mib_into_a_real_guest_and_ends_with_the_command_not_our_stdin() {
+        // Arrange: 200 MiB in a file (far beyond a request body), and its digest here.
+        let daemon = real_daemon("", &[]);
+        let rt = rt();
+        let sb = rt
+            .block_on(daemon.client().create(&small(256)))
+            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("input");
+        let block: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 13 % 251) as u8).collect();
+        std::fs::write(&input, block.repeat(200)).unwrap();
+        let digest = |out: &[u8]| {
+            String::from_utf8_lossy(out)
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let expected = digest(
+            &std::process::Command::new("sha256sum")
+                .arg(&input)
+                .output()
+                .unwrap()
+                .stdout,
+        );
+        let exec = |args: &[&str]| {
+            let mut cmd = std::process::Command::new(common::cli());
+            cmd.args(["exec", "--socket"])
+                .arg(&daemon.socket)
+                .arg("-i")
+                .arg(&sb.id)
+                .arg("--")
+                .args(args);
+            cmd
+        };
+
+        // Act
+        let summed = exec(&["sha256sum"])
+            .stdin(std::fs::File::open(&input).unwrap())
+            .output()
+            .unwrap();
+        let mut echo = exec(&["echo", "hi"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let _held_open = echo.stdin.take();
+        let echo_ended = wait_until(Duration::from_secs(120), || {
+            echo.try_wait().unwrap().is_some()
+        });
+        rt.block_on(daemon.client().delete(&sb.id)).unwrap();
+
+        // Assert
+        assert!(summed.status.success(), "{summed:?}");
+        assert_eq!(digest(&summed.stdout), expected);
+        assert!(
+            echo_ended,
+            "exec -i waited for our open stdin, not for the command"
+        );
+        assert_eq!(echo.wait_with_output().unwrap().stdout, b"hi\n");
+    }
+);
+
+vm_test!(
     fn the_python_sdk_passes_its_integration_tests_against_real_vms() {
         // Arrange: a mount root the jailed (unprivileged) VMM may enter.
         let root = bulkhead_tests::socket_dir();
