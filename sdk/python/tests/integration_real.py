@@ -148,6 +148,28 @@ class OneSandboxTest(unittest.TestCase):
         with self.assertRaises(bulkhead.NotFound):
             self.sb.files.read("/tmp/sdk/no-such-file")
 
+    def test_directories_are_made_listed_and_removed(self) -> None:
+        # Arrange
+        self.sb.files.make_dir("/tmp/tree/sub", parents=True)
+        self.sb.files.write("/tmp/tree/a.txt", b"abc", mode=0o640)
+        self.sb.exec(["ln", "-s", "a.txt", "/tmp/tree/link"])
+
+        # Act
+        entries = self.sb.files.list("/tmp/tree")
+        link = self.sb.files.stat("/tmp/tree/link")
+        self.sb.files.remove("/tmp/tree", recursive=True)
+
+        # Assert
+        self.assertEqual(
+            [(e.name, e.type) for e in entries], [("a.txt", "file"), ("link", "symlink"), ("sub", "dir")]
+        )
+        self.assertEqual((entries[0].size, entries[0].mode, entries[0].path), (3, 0o640, "/tmp/tree/a.txt"))
+        self.assertEqual(link.link_target, "a.txt")
+        self.assertFalse(self.sb.files.exists("/tmp/tree"))
+        with self.assertRaises(bulkhead.NotFound) as caught:
+            self.sb.files.list("/tmp/tree")
+        self.assertEqual(caught.exception.code, "path_not_found")
+
     def test_the_clone_workspace_diff_and_patch_list_the_guests_changes_only(self) -> None:
         # Arrange
         script = "cd /workspace && echo changed > README.txt && echo new > added.txt && rm old.txt"

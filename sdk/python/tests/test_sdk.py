@@ -438,6 +438,55 @@ class FilesWorkspaceAndLifecycleTest(DaemonTest):
         self.assertEqual((put.body, put.headers["x-bulkhead-mode"]), (b"\x00bc", "755"))
         self.assertEqual(get.method, "GET")
 
+    def test_list_stat_exists_make_dir_and_remove_use_the_files_endpoints(self) -> None:
+        # Arrange
+        entry = {"name": {"base64": "/w=="}, "path": {"base64": "L3RtcC//"}, "type": "file", "size": 3,
+                 "mode": 420, "mtime": 1700000000}
+        link = {"name": "l", "path": "/tmp/l", "type": "symlink", "size": 1, "mode": 511, "mtime": 0,
+                "link_target": "x"}
+        self.daemon.route("GET", SB_PATH + "/files/list", json_answer(200, json.dumps({"entries": [entry, link]})))
+        self.daemon.route("GET", SB_PATH + "/files/stat", json_answer(200, json.dumps(link)))
+        self.daemon.route("POST", SB_PATH + "/files/mkdir", Answer(204))
+        self.daemon.route("DELETE", SB_PATH + "/files", Answer(204))
+
+        # Act
+        entries = self.sb.files.list("/tmp")
+        found = self.sb.files.exists("/tmp/l")
+        self.sb.files.make_dir("/tmp/a/b", parents=True)
+        self.sb.files.remove(os.fsdecode(b"/tmp/\xff"), recursive=True)
+
+        # Assert
+        self.assertEqual(os.fsencode(entries[0].name), b"\xff")
+        self.assertEqual(os.fsencode(entries[0].path), b"/tmp/\xff")
+        self.assertEqual((entries[0].type, entries[0].mode, entries[0].link_target), ("file", 0o644, None))
+        self.assertEqual((entries[1].type, entries[1].link_target), ("symlink", "x"))
+        self.assertTrue(found)
+        targets = [(r.method, r.target) for r in self.daemon.requests]
+        self.assertEqual(
+            targets,
+            [
+                ("GET", SB_PATH + "/files/list?path=%2Ftmp"),
+                ("GET", SB_PATH + "/files/stat?path=%2Ftmp%2Fl"),
+                ("POST", SB_PATH + "/files/mkdir?path=%2Ftmp%2Fa%2Fb&parents=true"),
+                ("DELETE", SB_PATH + "/files?path=%2Ftmp%2F%FF&recursive=true"),
+            ],
+        )
+
+    def test_exists_is_false_for_a_missing_path_but_a_missing_sandbox_still_raises(self) -> None:
+        # Arrange
+        self.daemon.route("GET", SB_PATH + "/files/stat", error_answer(404, "path_not_found", "no /x"))
+        ghost = Sandbox.get(SB, client=self.client)
+        ghost.info = bulkhead.SandboxInfo.from_json(json.loads(sandbox_doc("ffffffffffff")))
+
+        # Act
+        found = self.sb.files.exists("/x")
+
+        # Assert
+        self.assertFalse(found)
+        with self.assertRaises(bulkhead.NotFound) as caught:
+            ghost.files.exists("/x")
+        self.assertEqual(caught.exception.code, "not_found")
+
     def test_diff_parses_the_changes(self) -> None:
         # Arrange
         doc = {

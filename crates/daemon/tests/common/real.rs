@@ -117,7 +117,7 @@ pub fn pool_ready(daemon: &TestDaemon, ready: usize) -> bool {
 }
 
 /// Tests the Python SDK's integration suite runs (`sdk/python/tests/integration_real.py`).
-pub const PYTHON_SDK_TESTS: usize = 13;
+pub const PYTHON_SDK_TESTS: usize = 14;
 
 /// Runs the Python SDK's integration suite against `daemon`, whose `mount_roots` include
 /// `root` (where the suite makes its workspace); returns its output.

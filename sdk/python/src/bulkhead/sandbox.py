@@ -22,13 +22,14 @@ from urllib.parse import quote, urlencode
 
 from . import _attach, _ndjson
 from ._attach import Attached
-from ._transport import Transport, socket_path
+from ._transport import Response, Transport, socket_path
 from .errors import DaemonUnavailable, ExecInterrupted, NotFound, ProtocolError, TooLarge
 from .types import (
     ExecEvent,
     ExecResult,
     Exit,
     ExportReview,
+    FileInfo,
     Mount,
     Network,
     SandboxInfo,
@@ -43,6 +44,8 @@ from .types import (
 MAX_EXEC_STDIN_BYTES = ((1 << 20) - (16 << 10)) // 4 * 3
 #: Request header carrying a written file's permission bits (octal).
 MODE_HEADER = "x-bulkhead-mode"
+#: The error code of a guest path that does not exist (404) in the files API.
+PATH_NOT_FOUND = "path_not_found"
 #: Response header of an export carrying base64 of the review document.
 REVIEW_HEADER = "x-bulkhead-review"
 
@@ -426,8 +429,50 @@ class Files:
         """The guest file ``path`` decoded as text."""
         return self.read(path).decode(encoding)
 
+    def list(self, path: str) -> List[FileInfo]:
+        """The entries of the guest directory ``path``, sorted by name (symlinks not
+        followed); raises :class:`~bulkhead.errors.NotFound` (``path_not_found``) when it does
+        not exist."""
+        doc = self._request("GET", "/files/list", path).json()
+        try:
+            entries = doc["entries"]
+        except (KeyError, TypeError) as err:
+            raise ProtocolError(f"unexpected file list: {err}", code="protocol") from err
+        return [FileInfo.from_json(e) for e in entries]
+
+    def stat(self, path: str) -> FileInfo:
+        """The guest path itself (a symlink is not followed); raises
+        :class:`~bulkhead.errors.NotFound` (``path_not_found``) when it does not exist."""
+        return FileInfo.from_json(self._request("GET", "/files/stat", path).json())
+
+    def exists(self, path: str) -> bool:
+        """Whether the guest path exists (a dangling symlink does). A missing sandbox still
+        raises :class:`~bulkhead.errors.NotFound`."""
+        try:
+            self.stat(path)
+        except NotFound as err:
+            if err.code == PATH_NOT_FOUND:
+                return False
+            raise
+        return True
+
+    def make_dir(self, path: str, parents: bool = False) -> None:
+        """Creates the guest directory ``path``; with ``parents``, missing parents too, and an
+        existing directory is no error."""
+        self._request("POST", "/files/mkdir", path, parents=parents).read()
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Removes the guest path (a symlink itself, never its target); a directory that is not
+        empty needs ``recursive``."""
+        self._request("DELETE", "/files", path, recursive=recursive).read()
+
+    def _request(self, method: str, suffix: str, path: str, **flags: bool) -> Response:
+        query = {"path": os.fsencode(path), **{k: b"true" for k, v in flags.items() if v}}
+        target = _sandbox_path(self._sandbox.id) + suffix + "?" + urlencode(query)
+        return self._sandbox.client.transport.request(method, target)
+
     def _target(self, path: str) -> str:
-        return _sandbox_path(self._sandbox.id) + "/files?" + urlencode({"path": path})
+        return _sandbox_path(self._sandbox.id) + "/files?" + urlencode({"path": os.fsencode(path)})
 
 
 def _sandbox_path(sandbox_id: str) -> str:

@@ -3,6 +3,8 @@ the full schema at ``GET /openapi.json``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -217,6 +219,58 @@ class Exit:
 
 #: One event of an exec stream.
 ExecEvent = Union[Stdout, Stderr, Exit]
+
+
+def byte_string(value: Any) -> str:
+    """An API byte string (a JSON string, or ``{"base64": ...}`` for bytes that are not UTF-8)
+    as ``str``; bytes that are not UTF-8 are decoded as :func:`os.fsdecode` does (surrogate
+    escapes), so :func:`os.fsencode` gives them back exactly."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("base64"), str):
+        return os.fsdecode(base64.b64decode(value["base64"], validate=True))
+    raise ValueError(f"not a byte string: {value!r}")
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A guest file (``sb.files.stat``, ``sb.files.list``); symlinks are not followed.
+
+    Attributes:
+        name: Last path component. Names that are not UTF-8 are decoded with surrogate escapes
+            (``os.fsencode(name)`` gives the guest's bytes back).
+        path: The whole guest path, as ``name``.
+        type: ``"file"``, ``"dir"``, ``"symlink"`` or ``"other"``.
+        size: Size in bytes (a symlink's: the length of its target).
+        mode: Permission bits (``0o644``).
+        mtime: Last modification, seconds since the Unix epoch.
+        link_target: A symlink's target, as ``name``; None for other types.
+    """
+
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    mtime: int
+    link_target: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "FileInfo":
+        """Parses the API's ``FileInfo`` document."""
+        try:
+            target = doc.get("link_target")
+            return cls(
+                name=byte_string(doc["name"]),
+                path=byte_string(doc["path"]),
+                type=str(doc["type"]),
+                size=int(doc["size"]),
+                mode=int(doc["mode"]),
+                mtime=int(doc["mtime"]),
+                link_target=None if target is None else byte_string(target),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, binascii.Error) as err:
+            raise ProtocolError(f"unexpected file document: {err}", code="protocol") from err
 
 
 @dataclass(frozen=True)
