@@ -2,15 +2,14 @@
 //! resizes, Ctrl-C), `bulkhead run -t` under a terminal of our own (raw mode restored, also
 //! after SIGTERM), and argv/env/cwd that are not UTF-8.
 
-use std::io::Read;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bulkhead_protocol::client::{ExecEvent, ExecSession};
 use bulkhead_protocol::{ByteString, ExecRequest, WindowSize};
 use bulkhead_sandbox::{Sandbox, SandboxConfig};
+use bulkhead_tests::pty::{collect, lflag, terminal};
 use bulkhead_tests::{artifacts, guest_test};
 
 /// Long enough for anything here in the nested test host.
@@ -151,59 +150,6 @@ guest_test!(
     }
 );
 
-/// A pseudo-terminal pair (master, slave) of 29 × 91: our stand-in for a user's terminal.
-fn terminal() -> (OwnedFd, OwnedFd) {
-    let (mut master, mut slave) = (-1, -1);
-    let ws = libc::winsize {
-        ws_row: 29,
-        ws_col: 91,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    // SAFETY: openpty fills two descriptors; null name and termios are allowed.
-    let rc = unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            &ws,
-        )
-    };
-    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
-    // SAFETY: both descriptors are new and owned by nobody else.
-    unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) }
-}
-
-/// The `c_lflag` of the terminal behind `fd` (ECHO, ICANON, ISIG: what raw mode clears).
-fn lflag(fd: &OwnedFd) -> libc::tcflag_t {
-    let mut t = std::mem::MaybeUninit::<libc::termios>::uninit();
-    // SAFETY: tcgetattr fills the struct; asserted to succeed before it is read.
-    unsafe {
-        assert_eq!(libc::tcgetattr(fd.as_raw_fd(), t.as_mut_ptr()), 0);
-        t.assume_init().c_lflag
-    }
-}
-
-/// Collects what arrives on `master` on a thread.
-fn collect(master: &OwnedFd) -> Arc<Mutex<String>> {
-    let text = Arc::new(Mutex::new(String::new()));
-    let mut file = std::fs::File::from(master.try_clone().unwrap());
-    let sink = text.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = file.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            sink.lock()
-                .unwrap()
-                .push_str(&String::from_utf8_lossy(&buf[..n]));
-        }
-    });
-    text
-}
-
 /// `bulkhead run -t -- ARGS` with stdio on `slave`.
 fn run_t(slave: &OwnedFd, args: &[&str]) -> std::process::Child {
     let a = artifacts();
@@ -224,7 +170,7 @@ fn run_t(slave: &OwnedFd, args: &[&str]) -> std::process::Child {
 guest_test!(
     fn run_t_uses_our_terminal_size_and_restores_our_terminal_even_after_sigterm() {
         // Arrange
-        let (master, slave) = terminal();
+        let (master, slave) = terminal(29, 91);
         let before = lflag(&slave);
         let output = collect(&master);
 

@@ -29,6 +29,7 @@ mod artifacts;
 pub mod bench;
 pub mod hostcheck;
 pub mod procs;
+pub mod pty;
 pub mod python;
 pub mod readonly;
 

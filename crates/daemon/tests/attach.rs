@@ -6,11 +6,12 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{ExecEvent, ExecSpec, WindowSize};
+use bulkhead_tests::pty::{collect, lflag, terminal};
 use common::{cli, rt, spec_with_labels, wait_until, TestDaemon};
 
 /// Long enough for anything here on a loaded 2-core CI machine.
@@ -36,59 +37,6 @@ fn exec_cli(daemon: &TestDaemon, flags: &[&str], id: &str, args: &[&str]) -> Com
         .arg("--")
         .args(args);
     cmd
-}
-
-/// A pseudo-terminal pair (master, slave) of `rows` × `cols`: our stand-in for a user's terminal.
-fn terminal(rows: u16, cols: u16) -> (OwnedFd, OwnedFd) {
-    let (mut master, mut slave) = (-1, -1);
-    let ws = libc::winsize {
-        ws_row: rows,
-        ws_col: cols,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    // SAFETY: openpty fills two descriptors; null name and termios are allowed.
-    let rc = unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            &ws,
-        )
-    };
-    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
-    // SAFETY: both descriptors are new and owned by nobody else.
-    unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) }
-}
-
-/// The `c_lflag` of the terminal behind `fd` (ECHO, ICANON, ISIG: what raw mode clears).
-fn lflag(fd: &OwnedFd) -> libc::tcflag_t {
-    let mut t = std::mem::MaybeUninit::<libc::termios>::uninit();
-    // SAFETY: tcgetattr fills the struct; asserted to succeed before it is read.
-    unsafe {
-        assert_eq!(libc::tcgetattr(fd.as_raw_fd(), t.as_mut_ptr()), 0);
-        t.assume_init().c_lflag
-    }
-}
-
-/// Reads from the master on a thread; the text so far is in the returned buffer.
-fn collect(master: &OwnedFd) -> std::sync::Arc<std::sync::Mutex<String>> {
-    let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let mut file = std::fs::File::from(master.try_clone().unwrap());
-    let sink = text.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = file.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            sink.lock()
-                .unwrap()
-                .push_str(&String::from_utf8_lossy(&buf[..n]));
-        }
-    });
-    text
 }
 
 /// True when a `sleep` runs in session `sid` (the fake VMM runs the agent on this host).
