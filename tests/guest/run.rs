@@ -642,3 +642,11 @@ fn a_zero_timeout_is_refused() {
     assert_refused(&run, "invalid value '0' for '--timeout <SECS>'");
     assert_refused(&boot, "invalid value '0' for '--boot-timeout <SECS>'");
 }
+
+#[test]
+fn tty_without_a_terminal_on_stdin_is_refused_before_anything_boots() {
+    // `output()` gives the run no stdin (not a terminal).
+    let out = refused_run(&["-t"]);
+
+    assert_refused(&out, "the input device is not a TTY");
+}
