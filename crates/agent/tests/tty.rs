@@ -38,19 +38,25 @@ fn finish(session: &mut ExecSession, seen: &mut String) -> ExitStatus {
     }
 }
 
-/// True when a process named `comm` runs in session `sid` on this host.
-fn in_session(sid: u32, comm: &str) -> bool {
+/// True when a process named `comm` runs in session `sid` on this host in the terminal's
+/// foreground process group (its pgrp is the terminal's `tpgid`), so Ctrl-C reaches it: an
+/// interactive shell forks the job first and hands it the terminal a moment later.
+fn in_foreground(sid: u32, comm: &str) -> bool {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return false;
     };
     dir.flatten().any(|entry| {
         let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        // pid (comm) state ppid pgrp session ...
+        // pid (comm) state ppid pgrp session tty_nr tpgid ...
         let Some((head, tail)) = stat.rsplit_once(") ") else {
             return false;
         };
         let fields: Vec<&str> = tail.split(' ').collect();
-        head.ends_with(&format!("({comm}")) && fields.get(3) == Some(&sid.to_string().as_str())
+        head.ends_with(&format!("({comm}"))
+            && fields.get(3) == Some(&sid.to_string().as_str())
+            && fields
+                .get(2)
+                .is_some_and(|pgrp| fields.get(5) == Some(pgrp))
     })
 }
 
@@ -116,8 +122,8 @@ fn ctrl_c_interrupts_the_foreground_job_and_the_shell_survives() {
     let writer = session.writer();
     writer.write_stdin(b"sleep 100; echo rc=$?\n").unwrap();
     assert!(
-        wait_until(|| in_session(sid, "sleep")),
-        "sleep never started"
+        wait_until(|| in_foreground(sid, "sleep")),
+        "sleep never ran in the foreground"
     );
 
     // Act
@@ -130,7 +136,12 @@ fn ctrl_c_interrupts_the_foreground_job_and_the_shell_survives() {
 
     // Assert: the interrupted line did not go on (`echo rc=` would need sleep to end normally
     // or be followed; an interactive shell drops the rest of the list), the shell lived on.
-    assert!(!in_session(sid, "sleep"), "sleep survived Ctrl-C");
+    // Interrupted, `sleep` did not end normally, so the list was cut short: no `rc=0`.
+    assert!(
+        !seen.contains("rc=0"),
+        "Ctrl-C did not interrupt sleep: {seen:?}"
+    );
+    assert!(!in_foreground(sid, "sleep"), "sleep survived Ctrl-C");
     assert_eq!(status.code, Some(3), "{status:?}: {seen:?}");
 }
 

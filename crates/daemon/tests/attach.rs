@@ -39,8 +39,10 @@ fn exec_cli(daemon: &TestDaemon, flags: &[&str], id: &str, args: &[&str]) -> Com
     cmd
 }
 
-/// True when a `sleep` runs in session `sid` (the fake VMM runs the agent on this host).
-fn sleeping_in_session(sid: u32) -> bool {
+/// True when a `sleep` runs in session `sid` in the terminal's foreground process group (its
+/// pgrp is the terminal's `tpgid`; the fake VMM runs the agent on this host), so Ctrl-C reaches
+/// it: an interactive shell forks the job first and hands it the terminal a moment later.
+fn sleeping_in_foreground(sid: u32) -> bool {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return false;
     };
@@ -49,9 +51,13 @@ fn sleeping_in_session(sid: u32) -> bool {
         let Some((head, tail)) = stat.rsplit_once(") ") else {
             return false;
         };
-        // After the name: state ppid pgrp session ...
-        let session = tail.split(' ').nth(3);
-        head.ends_with("(sleep") && session == Some(sid.to_string().as_str())
+        // After the name: state ppid pgrp session tty_nr tpgid ...
+        let fields: Vec<&str> = tail.split(' ').collect();
+        head.ends_with("(sleep")
+            && fields.get(3) == Some(&sid.to_string().as_str())
+            && fields
+                .get(2)
+                .is_some_and(|pgrp| fields.get(5) == Some(pgrp))
     })
 }
 
@@ -243,10 +249,11 @@ fn an_attached_terminal_takes_resizes_ctrl_c_and_typed_input() {
     // A shell waiting for input runs its traps once it has read the next line.
     rt.block_on(input.write_stdin(b"\n")).unwrap();
     read_until("40 120", &mut seen);
-    rt.block_on(input.write_stdin(b"sleep 100\n")).unwrap();
+    rt.block_on(input.write_stdin(b"sleep 100; echo rc=$?\n"))
+        .unwrap();
     assert!(
-        wait_until(PATIENCE, || sleeping_in_session(sid)),
-        "sleep never started"
+        wait_until(PATIENCE, || sleeping_in_foreground(sid)),
+        "sleep never ran in the foreground"
     );
     rt.block_on(input.write_stdin(&[0x03])).unwrap();
     rt.block_on(input.write_stdin(b"echo alive-$((20+1)); exit 5\n"))
@@ -254,7 +261,12 @@ fn an_attached_terminal_takes_resizes_ctrl_c_and_typed_input() {
     read_until("alive-21", &mut seen);
 
     // Assert
-    assert!(!sleeping_in_session(sid), "Ctrl-C did not interrupt sleep");
+    // Interrupted, `sleep` did not end normally, so the list was cut short: no `rc=0`.
+    assert!(
+        !seen.contains("rc=0"),
+        "Ctrl-C did not interrupt sleep: {seen:?}"
+    );
+    assert!(!sleeping_in_foreground(sid), "sleep survived Ctrl-C");
     let exit = loop {
         match rt.block_on(output.next_event()).unwrap() {
             Some(ExecEvent::Exit(exit)) => break exit,
