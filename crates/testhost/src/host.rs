@@ -73,7 +73,8 @@ pub enum Error {
         /// What it had printed (empty for [`TestHost::run_streaming`], which already passed it on).
         output: CommandOutput,
     },
-    /// The test host did not answer within the command's timeout plus a grace period; it was killed.
+    /// The test host did not answer within the command's timeout plus a grace period, or its
+    /// heartbeat stopped for [`SILENCE_LIMIT`] while a command ran (frozen); it was killed.
     #[error("test host unresponsive after {waited:?}; killed\n{console}")]
     Unresponsive {
         /// How long we waited.
@@ -181,6 +182,11 @@ fn cmdline(extra: &[String]) -> String {
 
 /// Extra time the host waits beyond a command's timeout before it declares the test host dead.
 const GRACE: Duration = Duration::from_secs(60);
+
+/// Longest silence on the control channel while a command runs before the host declares the test
+/// host frozen (its heartbeat comes every [`protocol::HEARTBEAT_SECS`] s; a frozen emulator sends
+/// none). Twelve missed beats: a loaded test host still schedules its init's shell far more often.
+const SILENCE_LIMIT: Duration = Duration::from_secs(120);
 
 /// Timeouts at least this long are treated as "no timeout" inside the test host.
 const NO_TIMEOUT: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -449,6 +455,7 @@ impl TestHost {
         send.map_err(|e| channel_failure(&inner.qemu, run_dir, e))?;
         let started = Instant::now();
         let deadline = limit.map(|l| started + l + GRACE);
+        let mut heard = started;
         loop {
             let mut wake = Instant::now() + poll.unwrap_or(Duration::from_secs(1));
             if let Some(d) = deadline {
@@ -457,6 +464,7 @@ impl TestHost {
             let msg = inner.channel.recv(wake);
             match msg.map_err(|e| channel_failure(&inner.qemu, run_dir, e))? {
                 Some(GuestMsg::Done { id: got, status }) if got == id => return Ok(status),
+                Some(GuestMsg::Alive { id: got }) if got == id => heard = Instant::now(),
                 Some(other) => {
                     let line = format!("{other:?} while waiting for command {id}");
                     let garbled = ChannelError::Protocol(protocol::ProtocolError::Garbled(line));
@@ -473,7 +481,8 @@ impl TestHost {
                     console: console_tail(run_dir, 40),
                 });
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            let silent = heard.elapsed() >= SILENCE_LIMIT;
+            if silent || deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(Error::Unresponsive {
                     waited: started.elapsed(),
                     console: console_tail(run_dir, 40),

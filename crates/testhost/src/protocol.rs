@@ -30,6 +30,9 @@ pub const MODULES_DIR: &str = "/lib/bulkhead-modules";
 /// descriptors of one page); measured: a 20 MB `cat` takes ~0.2-0.35 s at this size.
 pub const MSIZE: u32 = 512_000;
 
+/// Seconds between the test host's `alive ID` lines while a command runs ([`GuestMsg::Alive`]).
+pub const HEARTBEAT_SECS: u64 = 10;
+
 /// A message from the host to the test host's init.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostMsg {
@@ -71,6 +74,12 @@ pub enum GuestMsg {
     Ready,
     /// Start-up failed; the text says why.
     Fail(String),
+    /// Command `id` is still running: sent every [`HEARTBEAT_SECS`] seconds while it runs, so
+    /// the host can tell a busy test host from a frozen one long before the command's timeout.
+    Alive {
+        /// The command number from [`HostMsg::Run`].
+        id: u64,
+    },
     /// Command `id` finished with shell exit status `status` (128+N when killed by signal N).
     Done {
         /// The command number from [`HostMsg::Run`].
@@ -89,6 +98,9 @@ impl GuestMsg {
         match (words.next(), words.next()) {
             (Some("ready"), None) => Ok(GuestMsg::Ready),
             (Some("fail"), rest) => Ok(GuestMsg::Fail(rest.unwrap_or("").to_string())),
+            (Some("alive"), Some(id)) => Ok(GuestMsg::Alive {
+                id: id.parse().map_err(|_| garbled())?,
+            }),
             (Some("done"), Some(rest)) => {
                 let (id, status) = rest.split_once(' ').ok_or_else(garbled)?;
                 Ok(GuestMsg::Done {
@@ -225,9 +237,13 @@ run_one() {
     ( read -t "$2" _ <>/run/never; : >"$d/timed-out"; kill -KILL -- -"$pid" ) 2>/dev/null 3>&- &
     dog=$!
   fi
+  # Heartbeat: the host takes a test host that stays silent too long for frozen.
+  ( while read -t {HEARTBEAT} _ <>/run/never || :; do echo "alive $1" >&3; done ) 2>/dev/null &
+  beat=$!
   wait "$pid"
   st=$?
   [ -n "$dog" ] && { kill "$dog"; wait "$dog"; } 2>/dev/null
+  { kill "$beat"; wait "$beat"; } 2>/dev/null
   sync
   echo "done $1 $st" >&3
 }
@@ -257,6 +273,7 @@ pub fn init_script(modules: &[String], lib_dirs: &[PathBuf]) -> String {
         .replace("{TAG}", SCRATCH_TAG)
         .replace("{MSIZE}", &MSIZE.to_string())
         .replace("{PORT}", CONTROL_PORT)
+        .replace("{HEARTBEAT}", &HEARTBEAT_SECS.to_string())
 }
 
 #[cfg(test)]
@@ -318,6 +335,29 @@ mod tests {
                 status: 137
             }
         );
+    }
+
+    #[test]
+    fn alive_line_names_the_running_command() {
+        // Act
+        let msg = GuestMsg::parse("alive 7").unwrap();
+        let bad = GuestMsg::parse("alive seven");
+
+        // Assert
+        assert_eq!(msg, GuestMsg::Alive { id: 7 });
+        assert!(bad.is_err());
+    }
+
+    #[test]
+    fn the_init_script_beats_while_a_command_runs() {
+        // Act
+        let script = init_script(&["kvm".to_owned()], &[]);
+
+        // Assert
+        let beat = format!("read -t {HEARTBEAT_SECS} _");
+        assert!(script.contains(&beat), "{script}");
+        assert!(script.contains(r#"echo "alive $1" >&3"#), "{script}");
+        assert!(!script.contains("{HEARTBEAT}"));
     }
 
     #[test]
