@@ -32,6 +32,7 @@ pub mod procs;
 pub mod pty;
 pub mod python;
 pub mod readonly;
+pub mod tree;
 
 pub use artifacts::{artifacts, kernel_without_vsock, Artifacts};
 

@@ -36,45 +36,9 @@ fn sandbox(daemon: &TestDaemon) -> String {
         .id
 }
 
-/// `(name, type, mode, size, link target, contents of small files)`.
-type Seen = (Vec<u8>, String, u32, u64, Vec<u8>, Vec<u8>);
-
-/// Every entry below `root` as a user would compare it, sorted.
-fn listing(root: &Path) -> Vec<Seen> {
-    let mut out = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            let meta = fs::symlink_metadata(&path).unwrap();
-            if meta.is_dir() {
-                stack.push(path.clone());
-            }
-            let target = fs::read_link(&path).map(|t| t.as_os_str().as_bytes().to_vec());
-            let small = meta.is_file() && meta.len() < 4096;
-            let contents = if small {
-                fs::read(&path).unwrap()
-            } else {
-                Vec::new()
-            };
-            let rel = path
-                .strip_prefix(root)
-                .unwrap()
-                .as_os_str()
-                .as_bytes()
-                .to_vec();
-            let mode = if meta.is_symlink() {
-                0
-            } else {
-                meta.mode() & 0o7777
-            };
-            let size = if meta.is_dir() { 0 } else { meta.len() };
-            let kind = format!("{:?}", meta.file_type());
-            out.push((rel, kind, mode, size, target.unwrap_or_default(), contents));
-        }
-    }
-    out.sort();
-    out
+/// `bulkhead_tests::tree::listing` with this file's limit for compared contents.
+fn listing(root: &Path) -> Vec<bulkhead_tests::tree::Entry> {
+    bulkhead_tests::tree::listing(root, 4096)
 }
 
 #[test]

@@ -17,46 +17,9 @@ use common::{rt, TestDaemon};
 
 const GIB: u64 = 1 << 30;
 
-/// `(name, type, mode, size, link target, contents)` of one entry; contents only for files
-/// under 1 MiB (the sparse file is checked by its size, blocks and marker bytes).
-type Seen = (Vec<u8>, String, u32, u64, Vec<u8>, Vec<u8>);
-
-/// Every entry below `root` as a user would compare it, sorted.
-fn listing(root: &Path) -> Vec<Seen> {
-    let mut out = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            let meta = fs::symlink_metadata(&path).unwrap();
-            if meta.is_dir() {
-                stack.push(path.clone());
-            }
-            let target = fs::read_link(&path).map(|t| t.as_os_str().as_bytes().to_vec());
-            let small = meta.is_file() && meta.len() < 1 << 20;
-            let contents = if small {
-                fs::read(&path).unwrap()
-            } else {
-                Vec::new()
-            };
-            let rel = path
-                .strip_prefix(root)
-                .unwrap()
-                .as_os_str()
-                .as_bytes()
-                .to_vec();
-            let mode = if meta.is_symlink() {
-                0
-            } else {
-                meta.mode() & 0o7777
-            };
-            let size = if meta.is_dir() { 0 } else { meta.len() };
-            let kind = format!("{:?}", meta.file_type());
-            out.push((rel, kind, mode, size, target.unwrap_or_default(), contents));
-        }
-    }
-    out.sort();
-    out
+/// `bulkhead_tests::tree::listing` with this file's limit for compared contents.
+fn listing(root: &Path) -> Vec<bulkhead_tests::tree::Entry> {
+    bulkhead_tests::tree::listing(root, 1 << 20)
 }
 
 /// 1,000 files with two modes, a symlink loop, a link to /etc/shadow, an empty directory, a
@@ -83,7 +46,7 @@ fn acceptance_tree(root: &Path) {
 
 /// Compares two listings, reporting the first difference only (a whole listing is too long
 /// for a useful message).
-fn assert_same(got: &[Seen], want: &[Seen]) {
+fn assert_same(got: &[bulkhead_tests::tree::Entry], want: &[bulkhead_tests::tree::Entry]) {
     for (g, w) in got.iter().zip(want) {
         assert_eq!(g, w, "first difference");
     }
