@@ -8,18 +8,13 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bulkhead_client::{
-    ByteString, Client, CreateSandbox, ExecEvent, ExecSpec, NetworkRequest, NetworkRule,
-    SandboxInfo, SecretRef,
+    ByteString, Client, CreateSandbox, ExecSpec, NetworkRequest, NetworkRule, SandboxInfo,
+    SecretRef,
 };
 use bulkhead_sandbox::{Mount, Workspace};
 
-use crate::run::closed_stdio::{check_stdout, print_stdout, Output};
-use crate::run::output::write_out;
+use crate::run::closed_stdio::{check_stdout, print_stdout};
 use crate::workspace_cmds::{mount_spec, workspace_spec};
-
-/// Exit status of `exec` when its stdout's reader went away: 128 + SIGPIPE, what a local
-/// writer killed by SIGPIPE reports.
-const EXIT_READER_GONE: u8 = 128 + libc::SIGPIPE as u8;
 
 /// How to reach the daemon.
 #[derive(Debug, Clone, clap::Args)]
@@ -421,27 +416,11 @@ pub fn exec(args: ExecArgs) -> ExitCode {
             .exec(&args.id, &spec)
             .await
             .map_err(|e| e.to_string())?;
-        let (mut stdout, mut stderr) = (Output::stdout(), Output::stderr());
-        let mut lost = None;
+        let mut sink = crate::exec_attach::OutputSink::new();
         loop {
-            match stream.next_event().await.map_err(|e| e.to_string())? {
-                Some(ExecEvent::Stdout(b)) => {
-                    if write_out(&mut stdout, &b, &mut lost) {
-                        // The reader went away (`| head`): dropping the stream makes the
-                        // daemon close the command's agent connection, which ends it.
-                        return Ok(EXIT_READER_GONE);
-                    }
-                }
-                Some(ExecEvent::Stderr(b)) => {
-                    write_out(&mut stderr, &b, &mut lost);
-                }
-                Some(ExecEvent::Exit(exit)) => {
-                    return match lost {
-                        Some(e) => Err(format!("writing the command's output failed: {e}")),
-                        None => Ok(exit_code(&exit)),
-                    }
-                }
-                None => return Err("the stream ended without an exit status".into()),
+            let event = stream.next_event().await.map_err(|e| e.to_string())?;
+            if let Some(end) = sink.take(event) {
+                return end;
             }
         }
     })

@@ -17,7 +17,7 @@ use crate::run::output::write_out;
 use crate::terminal::{self, RawMode};
 
 /// Exit status when our stdout's reader went away (as a local pipeline's SIGPIPE).
-const EXIT_READER_GONE: u8 = 128 + libc::SIGPIPE as u8;
+pub(crate) const EXIT_READER_GONE: u8 = 128 + libc::SIGPIPE as u8;
 
 /// What the input task sends to the command.
 enum Input {
@@ -80,26 +80,50 @@ pub async fn run(attach: Attach<'_>, mut spec: ExecSpec) -> Result<u8, String> {
 
 /// Writes the command's output to ours until its exit status.
 async fn relay_output(mut output: bulkhead_client::AttachOutput) -> Result<u8, String> {
-    let (mut stdout, mut stderr) = (Output::stdout(), Output::stderr());
-    let mut lost = None;
+    let mut sink = OutputSink::new();
     loop {
-        match output.next_event().await.map_err(|e| e.to_string())? {
+        let event = output.next_event().await.map_err(|e| e.to_string())?;
+        if let Some(end) = sink.take(event) {
+            terminal::restore();
+            return end;
+        }
+    }
+}
+
+/// Our stdout and stderr for a daemon exec's output (`bulkhead exec`, attached or not).
+pub(crate) struct OutputSink {
+    stdout: Output<std::io::StdoutLock<'static>>,
+    stderr: Output<std::io::Stderr>,
+    lost: Option<std::io::Error>,
+}
+
+impl OutputSink {
+    /// Our stdout and stderr.
+    pub(crate) fn new() -> Self {
+        OutputSink {
+            stdout: Output::stdout(),
+            stderr: Output::stderr(),
+            lost: None,
+        }
+    }
+
+    /// Writes `event`'s bytes out; `Some` with `bulkhead exec`'s exit status once the exec has
+    /// ended: the command's status, [`EXIT_READER_GONE`] when our stdout's reader went away
+    /// (dropping the stream makes the daemon end the command), or an error.
+    pub(crate) fn take(&mut self, event: Option<ExecEvent>) -> Option<Result<u8, String>> {
+        match event {
             Some(ExecEvent::Stdout(b)) => {
-                if write_out(&mut stdout, &b, &mut lost) {
-                    return Ok(EXIT_READER_GONE);
-                }
+                write_out(&mut self.stdout, &b, &mut self.lost).then_some(Ok(EXIT_READER_GONE))
             }
             Some(ExecEvent::Stderr(b)) => {
-                write_out(&mut stderr, &b, &mut lost);
+                write_out(&mut self.stderr, &b, &mut self.lost);
+                None
             }
-            Some(ExecEvent::Exit(exit)) => {
-                terminal::restore();
-                return match lost {
-                    Some(e) => Err(format!("writing the command's output failed: {e}")),
-                    None => Ok(crate::daemon_cmds::exit_code(&exit)),
-                };
-            }
-            None => return Err("the exec ended without an exit status".into()),
+            Some(ExecEvent::Exit(exit)) => Some(match self.lost.take() {
+                Some(e) => Err(format!("writing the command's output failed: {e}")),
+                None => Ok(crate::daemon_cmds::exit_code(&exit)),
+            }),
+            None => Some(Err("the exec ended without an exit status".into())),
         }
     }
 }
