@@ -87,6 +87,15 @@ pub async fn copy_in(
             (parent.as_os_str().as_bytes().to_vec(), Some(name))
         }
     };
+    // The guest must have the directory the copy lands in before anything is read or sent.
+    let landing = client.stat(id, &dir).await.map_err(failed)?;
+    if landing.is_none_or(|info| info.kind != FileKind::Dir) {
+        return Err(failed(format!(
+            "{id}:{}: no such directory in the sandbox (the copy's destination must be in an \
+             existing directory)",
+            String::from_utf8_lossy(&dir)
+        )));
+    }
     let (reader, writer) = tokio::io::duplex(256 * 1024);
     let src = src.to_path_buf();
     let packer = tokio::task::spawn_blocking(move || {

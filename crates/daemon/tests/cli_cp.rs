@@ -177,3 +177,28 @@ fn cp_of_a_directory_without_r_says_to_use_it() {
         "{out:?}"
     );
 }
+
+#[test]
+fn cp_r_into_a_missing_guest_directory_is_refused_before_anything_is_sent() {
+    // Arrange (the fake VMM's agent runs on this host, so guest paths are host paths)
+    let daemon = TestDaemon::start();
+    let id = sandbox(&daemon);
+    let host = tempfile::tempdir().unwrap();
+    let src = host.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    fs::write(src.join("f"), b"data").unwrap();
+    let missing = host.path().join("no-such-dir");
+    let remote = format!("{id}:{}/x", missing.display());
+
+    // Act
+    let out = cp(&daemon, &["-r".as_ref(), src.as_os_str(), remote.as_ref()]);
+
+    // Assert
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(125), "{stderr}");
+    assert!(
+        stderr.contains("no such directory in the sandbox"),
+        "{stderr}"
+    );
+    assert!(!missing.exists());
+}
