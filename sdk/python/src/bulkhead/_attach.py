@@ -9,7 +9,7 @@ import json
 import socket
 import struct
 import threading
-from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from .errors import ExecInterrupted, ProtocolError, error_for, stream_error
 from .types import ExecEvent, ExecResult, Exit, Stderr, Stdout
@@ -156,20 +156,11 @@ class Attached:
         on_stderr: Optional[Callable[[bytes], Any]] = None,
     ) -> ExecResult:
         """Reads the rest of the output (calling back with each piece) up to the exit."""
-        out: List[bytes] = []
-        err: List[bytes] = []
-        for event in self:
-            if isinstance(event, Stdout):
-                out.append(event.data)
-                if on_stdout is not None:
-                    on_stdout(event.data)
-            elif isinstance(event, Stderr):
-                err.append(event.data)
-                if on_stderr is not None:
-                    on_stderr(event.data)
-            else:
-                return ExecResult(event.exit_code, b"".join(out), b"".join(err), event.signal, event.timed_out)
-        raise ProtocolError("an attached exec ended without an exit event", code="protocol")
+        result = collect(self, on_stdout, on_stderr)
+        if result is None:
+            raise ProtocolError("an attached exec ended without an exit event", code="protocol")
+        return result
+
 
     def close(self) -> None:
         """Closes the connection."""
@@ -216,3 +207,26 @@ def _json(payload: bytes) -> Dict[str, Any]:
     if not isinstance(doc, dict):
         raise ProtocolError("an attached exec sent JSON that is not an object", code="protocol")
     return doc
+
+
+def collect(
+    events: Iterable[ExecEvent],
+    on_stdout: Optional[Callable[[bytes], Any]] = None,
+    on_stderr: Optional[Callable[[bytes], Any]] = None,
+) -> Optional[ExecResult]:
+    """Gathers an exec's events into its result, calling back with each piece of output as it
+    comes; None when the events end without an exit."""
+    out: List[bytes] = []
+    err: List[bytes] = []
+    for event in events:
+        if isinstance(event, Stdout):
+            out.append(event.data)
+            if on_stdout is not None:
+                on_stdout(event.data)
+        elif isinstance(event, Stderr):
+            err.append(event.data)
+            if on_stderr is not None:
+                on_stderr(event.data)
+        else:
+            return ExecResult(event.exit_code, b"".join(out), b"".join(err), event.signal, event.timed_out)
+    return None

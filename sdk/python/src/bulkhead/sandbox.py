@@ -33,8 +33,6 @@ from .types import (
     Mount,
     Network,
     SandboxInfo,
-    Stderr,
-    Stdout,
     Workspace,
     WorkspaceDiff,
 )
@@ -274,30 +272,14 @@ class Sandbox:
         ``Conflict`` (not running), ``InvalidRequest``, ``SandboxError`` (the VM failed),
         ``ExecInterrupted`` (the daemon stopped mid-command).
         """
-        out: List[bytes] = []
-        err: List[bytes] = []
         stream = self.exec_stream(cmd, stdin=stdin, env=env, cwd=cwd, user=user, timeout=timeout)
         try:
-            for event in stream:
-                if isinstance(event, Stdout):
-                    out.append(event.data)
-                    if on_stdout is not None:
-                        on_stdout(event.data)
-                elif isinstance(event, Stderr):
-                    err.append(event.data)
-                    if on_stderr is not None:
-                        on_stderr(event.data)
-                else:
-                    return ExecResult(
-                        exit_code=event.exit_code,
-                        stdout=b"".join(out),
-                        stderr=b"".join(err),
-                        signal=event.signal,
-                        timed_out=event.timed_out,
-                    )
+            result = _attach.collect(stream, on_stdout, on_stderr)
         finally:
             stream.close()
-        raise ProtocolError("the exec stream ended without an exit event", code="protocol")
+        if result is None:
+            raise ProtocolError("the exec stream ended without an exit event", code="protocol")
+        return result
 
     def exec_stream(
         self,
