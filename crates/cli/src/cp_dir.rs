@@ -87,9 +87,9 @@ pub async fn copy_in(
             (parent.as_os_str().as_bytes().to_vec(), Some(name))
         }
     };
-    // The guest must have the directory the copy lands in before anything is read or sent.
-    let landing = client.stat(id, &dir).await.map_err(failed)?;
-    if landing.is_none_or(|info| info.kind != FileKind::Dir) {
+    // The guest must have the directory the copy lands in before anything is read or sent (a
+    // destination that is a directory itself was just seen).
+    if root.is_some() && !is_guest_dir(client, id, &dir).await? {
         return Err(failed(format!(
             "{id}:{}: no such directory in the sandbox (the copy's destination must be in an \
              existing directory)",
@@ -113,6 +113,12 @@ pub async fn copy_in(
         eprintln!("bulkhead: skipped {}: {}", skipped.path, skipped.reason);
     }
     Ok(0)
+}
+
+/// True when `path` is a directory in sandbox `id`.
+async fn is_guest_dir(client: &Client, id: &str, path: &[u8]) -> Result<bool, CpError> {
+    let info = client.stat(id, path).await.map_err(failed)?;
+    Ok(info.is_some_and(|info| info.kind == FileKind::Dir))
 }
 
 /// Where a copy out lands: the directory to extract into and the name for the archive's top
