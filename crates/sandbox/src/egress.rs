@@ -25,6 +25,9 @@ use bulkhead_egress::{EgressProxy, Listen, ProxyConfig, GUEST_CA_BUNDLE_PATH, GU
 use bulkhead_protocol::client::{AgentClient, ClientError};
 use bulkhead_protocol::{ErrorCode, EGRESS_PORT};
 
+use crate::jail;
+use crate::sandbox::SandboxConfig;
+
 /// The egress log in the runtime directory (JSON lines, `bulkhead_egress::LogEntry`).
 pub const EGRESS_LOG: &str = "egress.jsonl";
 
@@ -118,4 +121,47 @@ pub(crate) fn install_ca(client: &AgentClient, pem: &str) -> Result<(), EgressEr
         .write_file(GUEST_CA_BUNDLE_PATH, 0o644, &bundle)
         .map_err(EgressError::Install)?;
     Ok(())
+}
+
+/// Starts the egress proxy of `config` (if it has a network) on the sandbox's egress socket in
+/// the runtime directory `dir`, handed to the jailed VMM's uid.
+pub(crate) fn start_egress(
+    config: &SandboxConfig,
+    dir: &Path,
+    uds_path: &Path,
+) -> Result<Option<EgressProxy>, EgressError> {
+    let Some(settings) = &config.egress else {
+        return Ok(None);
+    };
+    start_proxy(settings, dir, uds_path, jail::active(config.jail)).map(Some)
+}
+
+/// Starts the proxy of `settings` on the egress socket of the VM whose vsock socket is
+/// `uds_path`, in runtime directory `dir`; the socket goes to the jailed VMM's uid when `jailed`.
+pub(crate) fn start_proxy(
+    settings: &EgressSettings,
+    dir: &Path,
+    uds_path: &Path,
+    jailed: bool,
+) -> Result<EgressProxy, EgressError> {
+    let proxy = start(settings, dir, uds_path)?;
+    let socket = socket_path(uds_path);
+    if jailed {
+        jail::hand_to_vmm(dir, &socket).map_err(|source| EgressError::Socket {
+            path: socket,
+            source,
+        })?;
+    }
+    Ok(proxy)
+}
+
+/// Writes the proxy's CA certificate into the guest, when there is a proxy.
+pub(crate) fn install_egress_ca(
+    client: &AgentClient,
+    proxy: Option<&EgressProxy>,
+) -> Result<(), EgressError> {
+    match proxy {
+        Some(proxy) => install_ca(client, proxy.ca_cert_pem()),
+        None => Ok(()),
+    }
 }

@@ -39,6 +39,7 @@ mod sandbox;
 pub mod snapshot;
 pub mod spec;
 pub mod storage;
+mod vmm_log;
 mod vmm_process;
 pub mod workspace;
 

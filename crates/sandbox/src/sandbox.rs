@@ -16,7 +16,9 @@ use bulkhead_protocol::{ExecRequest, Ready, READY_PORT};
 use bulkhead_vmm::boot::cmdline::DEFAULT_CMDLINE;
 use bulkhead_vmm::config::{DiskConfig, SerialOutput, VmConfig, VsockConfig, DEFAULT_GUEST_CID};
 
-use crate::egress::{self, EgressError, EgressSettings};
+use crate::egress::{
+    self, install_egress_ca, start_egress, start_proxy, EgressError, EgressSettings,
+};
 use crate::jail::{self, Jail, JailError};
 use crate::mounts::{Mount, MountError};
 use crate::phases::{self, PhaseClock, Timings, REPORT_FILE};
@@ -24,6 +26,8 @@ use crate::process::{self, SpawnOptions, Woken};
 use crate::spec::build::config_of;
 use crate::spec::{HostSettings, SandboxSpec};
 use crate::storage::{self, Prepared, Storage, StorageError};
+pub(crate) use crate::vmm_log::{log_or_explanation, tail_lines};
+use crate::vmm_log::{log_suffix, LOG_TAIL_LINES};
 use crate::vmm_process::{start_time_of, Adopted, VmEnd, VmmProcess};
 use crate::workspace::{self, Workspace, WorkspaceError};
 use bulkhead_egress::EgressProxy;
@@ -33,12 +37,6 @@ pub const EXIT_FILE: &str = "exit.json";
 
 /// How long the VMM gets to stop after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-
-/// Lines of the VMM log quoted in errors.
-const LOG_TAIL_LINES: usize = 20;
-
-/// Most bytes read from the end of a log to find its last lines (64 KiB).
-const TAIL_BYTES: u64 = 64 * 1024;
 
 /// Errors from starting or using a sandbox.
 #[derive(Debug, thiserror::Error)]
@@ -771,46 +769,6 @@ fn write_vm_config(
     Ok(vm)
 }
 
-/// Starts the egress proxy of `config` (if it has a network) on the sandbox's egress socket in
-/// the runtime directory `dir`, handed to the jailed VMM's uid.
-fn start_egress(
-    config: &SandboxConfig,
-    dir: &Path,
-    uds_path: &Path,
-) -> Result<Option<EgressProxy>, Error> {
-    let Some(settings) = &config.egress else {
-        return Ok(None);
-    };
-    start_proxy(settings, dir, uds_path, jail::active(config.jail)).map(Some)
-}
-
-/// Starts the proxy of `settings` on the egress socket of the VM whose vsock socket is
-/// `uds_path`, in runtime directory `dir`; the socket goes to the jailed VMM's uid when `jailed`.
-fn start_proxy(
-    settings: &EgressSettings,
-    dir: &Path,
-    uds_path: &Path,
-    jailed: bool,
-) -> Result<EgressProxy, Error> {
-    let proxy = egress::start(settings, dir, uds_path)?;
-    let socket = egress::socket_path(uds_path);
-    if jailed {
-        jail::hand_to_vmm(dir, &socket).map_err(|source| EgressError::Socket {
-            path: socket,
-            source,
-        })?;
-    }
-    Ok(proxy)
-}
-
-/// Writes the proxy's CA certificate into the guest, when there is a proxy.
-fn install_egress_ca(client: &AgentClient, proxy: Option<&EgressProxy>) -> Result<(), Error> {
-    match proxy {
-        Some(proxy) => Ok(egress::install_ca(client, proxy.ca_cert_pem())?),
-        None => Ok(()),
-    }
-}
-
 /// The files a starting VMM writes: its log and its exit report.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RunFiles<'a> {
@@ -841,48 +799,6 @@ pub(crate) fn wait_ready(
             log: tail_lines(files.log, LOG_TAIL_LINES),
         }),
     }
-}
-
-/// How [`Error::ReadyTimeout`] appends the VMM's log tail: nothing when it is empty.
-fn log_suffix(log: &str) -> String {
-    if log.trim().is_empty() {
-        String::new()
-    } else {
-        format!("; VMM log:\n{log}")
-    }
-}
-
-/// The VMM's log tail for [`Error::VmExited`]; when it is empty and the VMM ended cleanly
-/// (`clean`), the guest rebooted by itself, and the text says what that usually means.
-pub(crate) fn log_or_explanation(log: String, clean: bool) -> String {
-    if !log.trim().is_empty() || !clean {
-        return log;
-    }
-    "(empty: the guest rebooted or powered off by itself, as a kernel does after a panic such \
-     as finding no usable /init; check that the initramfs holds the bulkhead agent as /init, and \
-     keep the guest console (`bulkhead run --console FILE`, `SandboxConfig::console`) to see why)"
-        .to_owned()
-}
-
-/// The last `count` lines of the file at `path`, read from at most its last [`TAIL_BYTES`].
-pub(crate) fn tail_lines(path: &Path, count: usize) -> String {
-    let text = match read_tail(path) {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(_) => String::new(),
-    };
-    let lines: Vec<&str> = text.lines().collect();
-    let start = lines.len().saturating_sub(count);
-    lines[start..].join("\n")
-}
-
-fn read_tail(path: &Path) -> io::Result<Vec<u8>> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut file = fs::File::open(path)?;
-    let len = file.metadata()?.len();
-    file.seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)))?;
-    let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)?;
-    Ok(bytes)
 }
 
 #[cfg(test)]

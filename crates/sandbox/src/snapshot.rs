@@ -244,12 +244,24 @@ impl Sandbox {
     fn tell_restored(&mut self, config: &SandboxConfig, shares: &[String]) -> Result<(), Error> {
         let deadline = Instant::now() + config.ready_timeout;
         let client = AgentClient::hybrid(&self.uds_path).with_timeout(config.ready_timeout);
+        let started = Instant::now();
+        let mut attempts = 0u32;
         loop {
+            attempts += 1;
             let mut request = restored_request(config.hostname.clone())?;
             request.share_params = shares.to_vec();
+            let tried = Instant::now();
             let attempt = client.restored(&request);
             match attempt {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    tracing::debug!(
+                        attempts,
+                        waited_ms = (tried - started).as_millis() as u64,
+                        answered_ms = tried.elapsed().as_millis() as u64,
+                        "the restored guest's agent acknowledged the restore"
+                    );
+                    return Ok(());
+                }
                 // The agent answered: retrying would not change its mind (e.g. a share it could
                 // not mount).
                 Err(ClientError::Agent(refusal)) => {
