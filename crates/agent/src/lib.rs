@@ -9,7 +9,8 @@
 //! clone workspace `bulkhead.workspace=TAG:DIR:clone` asks for ([`workspace`]): a read-only
 //! share under a private overlay, whose change set it reports on request ([`changes`]). With
 //! `bulkhead.egress=on` it relays `127.0.0.1:3128` to the host's egress proxy ([`egress`]).
-//! A `tty` exec runs on a pseudo-terminal ([`pty`]).
+//! A `tty` exec runs on a pseudo-terminal ([`pty`]); a container exec in a container's root and
+//! namespaces ([`container`]).
 //! After the VM is restored from a snapshot the host says so, and the agent makes the clone a
 //! machine of its own: fresh entropy, the current time, maybe a new hostname ([`restore`]).
 //!
@@ -21,6 +22,7 @@
 pub mod changes;
 pub mod clock;
 pub mod conn;
+pub mod container;
 pub mod egress;
 pub mod exec;
 pub mod files;

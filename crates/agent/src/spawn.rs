@@ -9,9 +9,11 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 use bulkhead_protocol::{ByteString, ErrorCode, ExecRequest, PROTOCOL_VERSION};
 
+use crate::container::{self, ContainerError, Prepared};
 use crate::pty::Pty;
 use crate::reaper::{self, ExitWatch, ReaperError};
 use crate::user::{self, UserError};
@@ -46,6 +48,12 @@ pub enum SpawnError {
     /// `user` could not be resolved.
     #[error(transparent)]
     User(#[from] UserError),
+    /// A container exec's root, cwd, user or limits are not usable.
+    #[error(transparent)]
+    Container(#[from] ContainerError),
+    /// The container's PID namespace could not be made or entered.
+    #[error("entering the container's PID namespace: {0}")]
+    Namespace(io::Error),
     /// fork/exec failed for another reason than a missing or non-executable program.
     #[error("spawn {program}: {source}")]
     Spawn {
@@ -61,7 +69,9 @@ impl SpawnError {
     pub fn code(&self) -> ErrorCode {
         match self {
             SpawnError::Version(_) => ErrorCode::UnsupportedVersion,
-            SpawnError::Tty(e) => ErrorCode::of_io(e),
+            SpawnError::Tty(e) | SpawnError::Namespace(e) => ErrorCode::of_io(e),
+            SpawnError::Container(ContainerError::Join { source, .. }) => ErrorCode::of_io(source),
+            SpawnError::Container(_) => ErrorCode::InvalidRequest,
             SpawnError::EmptyArgv
             | SpawnError::BadEnv(_)
             | SpawnError::BadCwd(_)
@@ -110,12 +120,17 @@ pub enum Outcome {
 
 /// Validates `req`, builds the command and starts it.
 pub fn spawn(req: &ExecRequest) -> Result<Outcome, SpawnError> {
-    let mut cmd = build_command(req)?;
+    let (mut cmd, container) = build_command(req)?;
     let pty = match req.tty {
         true => Some(open_terminal(req, &mut cmd)?),
         false => None,
     };
     let program = req.argv[0].to_string_lossy().into_owned();
+    if let Some(prepared) = &container {
+        prepared
+            .enter_pid_namespace()
+            .map_err(SpawnError::Namespace)?;
+    }
     let (mut child, exit) = match reaper::spawn(&mut cmd) {
         Ok(spawned) => spawned,
         Err(ReaperError::Spawn(e)) => return not_runnable(&program, e),
@@ -198,9 +213,19 @@ fn not_runnable(program: &str, e: io::Error) -> Result<Outcome, SpawnError> {
     })
 }
 
-/// Builds (but does not start) the command for `req`.
-pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
+/// Builds (but does not start) the command for `req`, with its container's preparation when it
+/// is a container exec (whose PID namespace the spawning thread must enter first,
+/// [`Prepared::enter_pid_namespace`]).
+pub fn build_command(req: &ExecRequest) -> Result<(Command, Option<Arc<Prepared>>), SpawnError> {
     validate(req)?;
+    let container = match &req.container {
+        Some(spec) => Some(Arc::new(container::prepare(
+            spec,
+            req.cwd.as_ref(),
+            req.user.as_deref(),
+        )?)),
+        None => None,
+    };
     let mut cmd = Command::new(&req.argv[0]);
     cmd.args(&req.argv[1..]).env_clear();
     for entry in &req.env {
@@ -216,20 +241,9 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
     if !has_var(req, "PATH") {
         cmd.env("PATH", DEFAULT_PATH);
     }
-    let cwd = req.cwd.as_ref().map_or(OsStr::new("/"), |c| c.as_os_str());
-    if !Path::new(cwd).is_dir() {
-        return Err(SpawnError::BadCwd(cwd.into()));
-    }
-    cmd.current_dir(cwd);
-    if let Some(spec) = &req.user {
-        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
-        let ids = user::resolve(spec, &passwd)?;
-        // The user's own HOME unless the request names one (without a user, root's
-        // environment is the request's alone).
-        if !has_var(req, "HOME") {
-            cmd.env("HOME", user::home_of(ids.uid, &passwd));
-        }
-        cmd.uid(ids.uid).gid(ids.gid);
+    match &container {
+        Some(prepared) => container_command(req, &mut cmd, prepared),
+        None => guest_command(req, &mut cmd)?,
     }
     cmd.stdin(if req.stdin {
         Stdio::piped()
@@ -237,7 +251,7 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
         Stdio::null()
     });
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    // SAFETY: the closure only makes raw system calls (setsid, sigprocmask, close_range) and
+    // SAFETY: the closure only makes raw system calls (setsid, sigprocmask, signal, close_range) and
     // initialises a sigset on its own stack, all async-signal-safe, as required between fork
     // and exec.
     unsafe {
@@ -253,6 +267,14 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
             if libc::pthread_sigmask(libc::SIG_SETMASK, none.as_ptr(), std::ptr::null_mut()) != 0 {
                 return Err(io::Error::other("cannot clear the signal mask"));
             }
+            // An ignored signal stays ignored through exec: every command starts with the
+            // default dispositions, as under a fresh init, whatever the agent inherited (in
+            // test mode, a background job of a non-interactive shell ignores SIGINT and
+            // SIGQUIT, and Ctrl-C on a command's terminal then did nothing). SIGKILL and
+            // SIGSTOP refuse the call, harmlessly.
+            for signo in 1..32 {
+                libc::signal(signo, libc::SIG_DFL);
+            }
             // Whatever the agent itself inherited or leaked stays out of the command: every
             // descriptor above stderr closes at exec. Kernels before 5.11 lack the flag
             // (ENOSYS/EINVAL); the agent opens everything close-on-exec anyway.
@@ -265,7 +287,41 @@ pub fn build_command(req: &ExecRequest) -> Result<Command, SpawnError> {
             Ok(())
         });
     }
-    Ok(cmd)
+    if let Some(prepared) = &container {
+        let prepared = Arc::clone(prepared);
+        // SAFETY: `Prepared::enter` makes only system calls on values prepared before the fork
+        // (no allocation, no locks), as required between fork and exec.
+        unsafe { cmd.pre_exec(move || prepared.enter()) };
+    }
+    Ok((cmd, container))
+}
+
+/// An ordinary guest command: `cwd` and `user` in the guest's own file system.
+fn guest_command(req: &ExecRequest, cmd: &mut Command) -> Result<(), SpawnError> {
+    let cwd = req.cwd.as_ref().map_or(OsStr::new("/"), |c| c.as_os_str());
+    if !Path::new(cwd).is_dir() {
+        return Err(SpawnError::BadCwd(cwd.into()));
+    }
+    cmd.current_dir(cwd);
+    if let Some(spec) = &req.user {
+        let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+        let ids = user::resolve(spec, &passwd)?;
+        // The user's own HOME unless the request names one (without a user, root's
+        // environment is the request's alone).
+        if !has_var(req, "HOME") {
+            cmd.env("HOME", user::home_of(ids.uid, &passwd));
+        }
+        cmd.uid(ids.uid).gid(ids.gid);
+    }
+    Ok(())
+}
+
+/// A container's command: its working directory and ids are set by [`Prepared::enter`] after
+/// the root changed (the standard library would set them before); only `HOME` is set here.
+fn container_command(req: &ExecRequest, cmd: &mut Command, prepared: &Prepared) {
+    if let Some(home) = prepared.home().filter(|_| !has_var(req, "HOME")) {
+        cmd.env("HOME", home);
+    }
 }
 
 fn validate(req: &ExecRequest) -> Result<(), SpawnError> {
@@ -313,8 +369,8 @@ mod tests {
         let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
 
         // Act
-        let plain = build_command(&plain).unwrap().output().unwrap();
-        let explicit = build_command(&explicit).unwrap().output().unwrap();
+        let plain = build_command(&plain).unwrap().0.output().unwrap();
+        let explicit = build_command(&explicit).unwrap().0.output().unwrap();
 
         // Assert
         let expected = format!("{}\n", user::home_of(uid, &passwd));
@@ -329,7 +385,7 @@ mod tests {
         let req = ExecRequest::new(["grep", "^SigBlk:", "/proc/self/status"]);
 
         // Act
-        let out = build_command(&req).unwrap().output().unwrap();
+        let out = build_command(&req).unwrap().0.output().unwrap();
 
         // Assert
         let line = String::from_utf8(out.stdout).unwrap();

@@ -351,6 +351,31 @@ fn cwd_and_env_are_applied_and_nothing_else_is_inherited() {
 }
 
 #[test]
+fn commands_start_with_default_signal_dispositions_whatever_the_agent_inherited() {
+    // Arrange: an agent that inherited SIGINT and SIGQUIT ignored (`nohup agent &` in a script).
+    let agent = Agent::start_ignoring_sigint();
+
+    // Act
+    let out = agent
+        .client()
+        .exec(&ExecRequest::new(["grep", "SigIgn", "/proc/self/status"]))
+        .unwrap()
+        .wait_with_output()
+        .unwrap();
+
+    // Assert: no standard signal (1-31) ignored, so Ctrl-C on a command's terminal interrupts
+    // it. (Bit N-1 stands for signal N; glibc keeps its realtime signals to itself.)
+    let text = String::from_utf8_lossy(&out.stdout);
+    let hex = text
+        .trim()
+        .strip_prefix("SigIgn:")
+        .map(str::trim)
+        .unwrap_or_default();
+    let ignored = u64::from_str_radix(hex, 16).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert_eq!(ignored & 0x7fff_ffff, 0, "ignored signals: {ignored:#x}");
+}
+
+#[test]
 fn numeric_user_runs_the_command_with_those_ids_needs_root() {
     // Arrange: switching users needs root (the agent is root inside a VM).
     // SAFETY: getuid has no preconditions.

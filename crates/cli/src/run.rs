@@ -789,11 +789,9 @@ fn exit_code(status: &ExitStatus) -> u8 {
         eprintln!("bulkhead: the command timed out and was killed");
         return EXIT_TIMEOUT;
     }
-    match (status.code, status.signal) {
-        (Some(code), _) => code.clamp(0, 255) as u8,
-        (None, Some(sig)) => (128 + sig).clamp(0, 255) as u8,
-        (None, None) => crate::EXIT_BULKHEAD_ERROR,
-    }
+    status
+        .shell_code()
+        .map_or(crate::EXIT_BULKHEAD_ERROR, |c| c.clamp(0, 255) as u8)
 }
 
 #[cfg(test)]

@@ -27,12 +27,14 @@ pub mod archive;
 pub mod boot;
 pub mod bytes;
 pub mod client;
+pub mod container;
 pub mod frame;
 pub mod fsops;
 pub mod messages;
 pub mod workspace;
 
 pub use bytes::ByteString;
+pub use container::{ContainerExec, Rlimit};
 pub use frame::{read_frame, write_frame, Frame, FrameDecoder, FrameError, FrameType};
 pub use fsops::{
     ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FileType, FsOp, FsRequest,

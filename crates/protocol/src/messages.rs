@@ -82,6 +82,10 @@ pub struct ExecRequest {
     /// The terminal's size at start (only with `tty`); 24 rows × 80 columns when absent.
     #[serde(default)]
     pub window: Option<WindowSize>,
+    /// Run the command as a container's process: in its own root, mount and PID namespaces
+    /// ([`crate::container`]). An ordinary guest command when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<crate::ContainerExec>,
 }
 
 /// A terminal's size in character cells (`struct winsize` of `TIOCSWINSZ`, without pixels).
@@ -121,6 +125,7 @@ impl ExecRequest {
             kill_group_on_exit: false,
             tty: false,
             window: None,
+            container: None,
         }
     }
 }
@@ -158,6 +163,16 @@ impl ExitStatus {
     /// True for a normal exit with code 0 (and no timeout).
     pub fn success(&self) -> bool {
         self.code == Some(0) && !self.timed_out
+    }
+
+    /// The status as a shell reports it (`$?`): the exit code, or 128 + the signal's number;
+    /// `None` when neither is known.
+    pub fn shell_code(&self) -> Option<i32> {
+        match (self.code, self.signal) {
+            (Some(code), _) => Some(code),
+            (None, Some(sig)) => Some(128 + sig),
+            (None, None) => None,
+        }
     }
 }
 
@@ -442,6 +457,27 @@ mod tests {
         for (err, code) in cases {
             assert_eq!(ErrorCode::of_io(&err), code, "{err}");
         }
+    }
+
+    #[test]
+    fn the_shell_code_is_the_exit_code_or_128_plus_the_signal() {
+        // Arrange
+        let status = |code, signal| ExitStatus {
+            code,
+            signal,
+            timed_out: false,
+        };
+
+        // Act
+        let codes = [
+            status(Some(3), None),
+            status(None, Some(9)),
+            status(None, None),
+        ]
+        .map(|s| s.shell_code());
+
+        // Assert
+        assert_eq!(codes, [Some(3), Some(137), None]);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses a different subset
 
 use std::os::unix::net::UnixListener;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -34,20 +35,42 @@ impl Agent {
         Self::start_with(&[])
     }
 
+    /// Like [`Agent::start`], with SIGINT and SIGQUIT ignored in the agent, as a background job
+    /// of a non-interactive shell gets them (`nohup cmd &` in a script).
+    pub fn start_ignoring_sigint() -> Self {
+        Self::start_as(|command| {
+            // SAFETY: signal(2) only, between fork and exec.
+            unsafe {
+                command.pre_exec(|| {
+                    libc::signal(libc::SIGINT, libc::SIG_IGN);
+                    libc::signal(libc::SIGQUIT, libc::SIG_IGN);
+                    Ok(())
+                })
+            };
+        })
+    }
+
     /// Like [`Agent::start`], with extra command-line arguments.
     pub fn start_with(extra: &[&std::ffi::OsStr]) -> Self {
+        Self::start_as(|command| {
+            command.args(extra);
+        })
+    }
+
+    /// Starts the agent with `adjust` applied to its command.
+    fn start_as(adjust: impl FnOnce(&mut Command)) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
         let ready_path = dir.path().join("agent.sock_1025");
         let ready_listener = UnixListener::bind(&ready_path).unwrap();
-        let child = Command::new(agent_binary())
+        let mut command = Command::new(agent_binary());
+        command
             .arg("--listen-unix")
             .arg(&socket)
             .arg("--ready-unix")
-            .arg(&ready_path)
-            .args(extra)
-            .spawn()
-            .unwrap();
+            .arg(&ready_path);
+        adjust(&mut command);
+        let child = command.spawn().unwrap();
         let ready = accept_ready(&ready_listener, PATIENCE).unwrap();
         Self {
             child,

@@ -271,13 +271,7 @@ fn run_command(
         first_output.get_or_init(Instant::now);
         match event {
             Some(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)) => {}
-            Some(ExecEvent::Exit(status)) => {
-                return Ok(match (status.code, status.signal) {
-                    (Some(code), _) => code,
-                    (None, Some(sig)) => 128 + sig,
-                    (None, None) => -1,
-                })
-            }
+            Some(ExecEvent::Exit(status)) => return Ok(status.shell_code().unwrap_or(-1)),
             None => return Err("the agent closed the connection without an exit status".into()),
         }
     }
