@@ -40,8 +40,10 @@ SUDO=()
 # Debian packages: QEMU + busybox + cpio for the test host and images, mmdebstrap for the Debian
 # root file-system image, a C toolchain for -sys
 # crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps),
-# python3 for the Python SDK's tests (Debian's /usr/bin/python3 also runs them in the test host).
-PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap git python3)
+# python3 for the Python SDK's tests (Debian's /usr/bin/python3 also runs them in the test host),
+# containerd (1.6) for the containerd shim's end-to-end test and scripts/containerd-demo.sh (they
+# start a private containerd of their own; the packaged service is not used).
+PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap git python3 containerd)
 # The nested test host (QEMU emulating an x86_64 machine with AMD SVM) is for x86_64 hosts.
 [[ "$ARCH" != x86_64 ]] || PKGS+=(qemu-system-x86)
 # The aarch64 cross toolchain (linker for the aarch64 Rust targets, see .cargo/config.toml; C
@@ -80,6 +82,10 @@ scripts/build-initramfs.sh --busybox \
 BIN="$HOME/.local/bin"
 mkdir -p "$BIN"
 for b in bulkhead bulkhead-vmm bulkheadd bulkhead-testhost; do
+    old="$(readlink "$BIN/$b" 2>/dev/null || true)"
+    if [[ -n "$old" && "$old" != "$ROOT/target/release/$b" ]]; then
+        log "$BIN/$b pointed to $old (another checkout); it now points to this one"
+    fi
     ln -sf "$ROOT/target/release/$b" "$BIN/$b"
 done
 log "binaries linked into $BIN (add it to PATH)"

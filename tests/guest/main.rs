@@ -4,6 +4,7 @@
 mod bad_input;
 mod bench;
 mod boot;
+mod container;
 mod egress;
 mod fs;
 mod fs_many;
@@ -12,6 +13,7 @@ mod jail;
 mod run;
 mod run_export;
 mod sandbox_api;
+mod shim;
 mod snapshot;
 mod template;
 mod terminal;

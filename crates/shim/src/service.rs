@@ -1,0 +1,301 @@
+//! The task service: containerd's task API over the state machine ([`Tasks`]) and a
+//! [`Backend`], in plain Rust types (the ttRPC adapter is [`crate::ttrpc`]).
+//!
+//! Each request is checked against the state machine first, so the backend is asked only for
+//! transitions the machine allows; the lock on the machine is never held across a backend call.
+//! A started process's exit is awaited on a task of its own, which records it (publishing
+//! `TaskExit`) and releases the process's waiters.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
+
+use crate::backend::{
+    Backend, BackendError, ContainerSpec, ExecProcess, Resources, StartSpec, Stats,
+};
+use crate::events::{EventSink, Mount};
+use crate::state::{
+    Deleted, Exit, KillAction, NewContainer, ProcessKey, ProcessState, StateError, Stdio, Tasks,
+};
+use crate::ErrorKind;
+
+/// The exit status of a process whose backend lost it (the VM or the agent went away).
+pub const LOST_STATUS: u32 = 255;
+
+/// SIGKILL's number (9 on every Linux architecture).
+const SIGKILL: u32 = 9;
+
+/// What a task request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The state machine refused it.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The backend failed it.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The request is malformed.
+    #[error("{0}")]
+    InvalidArgument(String),
+}
+
+impl ServiceError {
+    /// How containerd should classify the error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ServiceError::State(e) => e.kind(),
+            ServiceError::Backend(e) => e.kind(),
+            ServiceError::InvalidArgument(_) => ErrorKind::InvalidArgument,
+        }
+    }
+}
+
+/// A `Create` request.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CreateTask {
+    /// The container id.
+    pub id: String,
+    /// The bundle directory.
+    pub bundle: String,
+    /// The root file-system mounts.
+    pub rootfs: Vec<Mount>,
+    /// The init process's stdio.
+    pub stdio: Stdio,
+    /// The OCI spec's annotations (read from the bundle's `config.json`).
+    pub annotations: HashMap<String, String>,
+    /// A checkpoint to restore from (not supported: must be empty).
+    pub checkpoint: String,
+}
+
+/// The task service (see the module documentation). Cheap to clone: clones share the state.
+pub struct TaskService<B: Backend> {
+    inner: Arc<Inner<B>>,
+}
+
+struct Inner<B> {
+    backend: B,
+    tasks: Mutex<Tasks>,
+}
+
+impl<B: Backend> Clone for TaskService<B> {
+    fn clone(&self) -> Self {
+        TaskService {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for TaskService<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskService")
+            .field("containers", &self.tasks().len())
+            .finish()
+    }
+}
+
+impl<B: Backend> TaskService<B> {
+    /// A service with no containers, over `backend`, publishing to `events`.
+    pub fn new(backend: B, events: Arc<dyn EventSink>) -> TaskService<B> {
+        let inner = Inner {
+            backend,
+            tasks: Mutex::new(Tasks::new(events)),
+        };
+        TaskService {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.inner.backend
+    }
+
+    fn tasks(&self) -> MutexGuard<'_, Tasks> {
+        // A panic while the lock was held cannot leave the machine half-changed in a way that
+        // matters more than refusing every later request would, so a poisoned lock is used as is.
+        self.inner
+            .tasks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// `Create`: reserves the id, has the backend create the container, records it; returns
+    /// the pid the backend reports.
+    pub async fn create(&self, req: CreateTask) -> Result<u32, ServiceError> {
+        if !req.checkpoint.is_empty() {
+            return Err(ServiceError::InvalidArgument(
+                "restoring a container from a checkpoint is not supported".into(),
+            ));
+        }
+        let new = NewContainer {
+            id: req.id.clone(),
+            pod: crate::pod_id(&req.id, &req.annotations).to_owned(),
+            bundle: req.bundle.clone(),
+            rootfs: req.rootfs.clone(),
+            stdio: req.stdio.clone(),
+        };
+        self.tasks().reserve(&new)?;
+        let spec = ContainerSpec {
+            id: req.id,
+            pod: new.pod.clone(),
+            bundle: req.bundle,
+            rootfs: req.rootfs,
+            stdio: req.stdio,
+            annotations: req.annotations,
+        };
+        match self.inner.backend.create(&spec).await {
+            Ok(pid) => {
+                self.tasks().created(new, pid)?;
+                Ok(pid)
+            }
+            Err(e) => {
+                self.tasks().abandon(&spec.id);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// `Start`: starts a created process; returns its pid.
+    pub async fn start(&self, key: &ProcessKey) -> Result<u32, ServiceError> {
+        let plan = self.tasks().begin_start(key)?;
+        let spec = StartSpec {
+            key: key.clone(),
+            stdio: plan.stdio,
+            exec: plan.exec,
+            stdin_closed: plan.stdin_closed,
+        };
+        let started = match self.inner.backend.start(&spec).await {
+            Ok(started) => started,
+            Err(e) => {
+                self.tasks().finish_start(key, None).ok();
+                return Err(e.into());
+            }
+        };
+        self.tasks().finish_start(key, Some(started.pid))?;
+        // Spawned after `TaskStart` is queued, so `TaskExit` always comes after it.
+        let service = self.clone();
+        let key = key.clone();
+        tokio::spawn(async move {
+            let lost = Exit {
+                status: LOST_STATUS,
+                at: SystemTime::now(),
+            };
+            let exit = started.exit.await.unwrap_or(lost);
+            service.record_exit(&key, exit).await;
+        });
+        Ok(started.pid)
+    }
+
+    /// Records a process's exit; when it is an init process, its running execs die with it and
+    /// the backend is told to kill them.
+    async fn record_exit(&self, key: &ProcessKey, exit: Exit) {
+        let orphans = self.tasks().exited(key, exit);
+        for orphan in orphans {
+            if let Err(e) = self.inner.backend.kill(&orphan, SIGKILL, false).await {
+                tracing::warn!("killing {orphan} after its container's exit: {e}");
+            }
+        }
+    }
+
+    /// `State`.
+    pub fn state(&self, key: &ProcessKey) -> Result<ProcessState, ServiceError> {
+        Ok(self.tasks().state(key)?)
+    }
+
+    /// `Wait`: returns once the process has stopped, with how it ended.
+    pub async fn wait(&self, key: &ProcessKey) -> Result<Exit, ServiceError> {
+        let mut waiter = self.tasks().waiter(key)?;
+        let exit = waiter.wait_for(Option::is_some).await.map(|exit| *exit);
+        match exit {
+            Ok(Some(exit)) => Ok(exit),
+            _ => Err(StateError::NotFound(format!("{key}: deleted before it exited")).into()),
+        }
+    }
+
+    /// `Kill`: signals a running process; a created init process stops without running.
+    pub async fn kill(&self, key: &ProcessKey, signal: u32, all: bool) -> Result<(), ServiceError> {
+        if signal == 0 || signal > 64 {
+            return Err(ServiceError::InvalidArgument(format!(
+                "signal {signal} is not valid"
+            )));
+        }
+        let action = self.tasks().kill(key, signal)?;
+        match action {
+            KillAction::Stopped => Ok(()),
+            KillAction::Signal => Ok(self.inner.backend.kill(key, signal, all).await?),
+        }
+    }
+
+    /// `Delete`: removes a process that is not running; the init process takes its container
+    /// (and the backend's part of it) along.
+    pub async fn delete(&self, key: &ProcessKey) -> Result<Deleted, ServiceError> {
+        self.tasks().check_delete(key)?;
+        if key.exec.is_none() {
+            let pod = self.tasks().pod(&key.container)?;
+            self.inner.backend.delete(&key.container, &pod).await?;
+        }
+        Ok(self.tasks().delete(key)?)
+    }
+
+    /// `Pids`: the running processes of a container, with their exec ids.
+    pub fn pids(&self, container: &str) -> Result<Vec<(u32, Option<String>)>, ServiceError> {
+        Ok(self.tasks().pids(container)?)
+    }
+
+    /// `Exec`: adds an exec process (not started) to a running container. `spec` is the OCI
+    /// process as JSON.
+    pub fn exec(&self, key: &ProcessKey, stdio: Stdio, spec: &[u8]) -> Result<(), ServiceError> {
+        let process = ExecProcess::from_json(spec)?;
+        Ok(self.tasks().add_exec(key, stdio, process)?)
+    }
+
+    /// `ResizePty`.
+    pub async fn resize_pty(
+        &self,
+        key: &ProcessKey,
+        width: u32,
+        height: u32,
+    ) -> Result<(), ServiceError> {
+        self.tasks().require_running(key)?;
+        Ok(self.inner.backend.resize_pty(key, width, height).await?)
+    }
+
+    /// `CloseIO` with `stdin`: closes a running process's stdin; a created one starts with it
+    /// closed; a stopped one has nothing left to close.
+    pub async fn close_stdin(&self, key: &ProcessKey) -> Result<(), ServiceError> {
+        let running = self.tasks().close_stdin(key)?;
+        if running {
+            self.inner.backend.close_stdin(key).await?;
+        }
+        Ok(())
+    }
+
+    /// `Update`: new resource limits for a container that has not stopped.
+    pub async fn update(&self, container: &str, resources: &Resources) -> Result<(), ServiceError> {
+        self.tasks().require_live(container)?;
+        Ok(self.inner.backend.update(container, resources).await?)
+    }
+
+    /// `Stats`.
+    pub async fn stats(&self, container: &str) -> Result<Stats, ServiceError> {
+        self.tasks().pod(container)?;
+        Ok(self.inner.backend.stats(container).await?)
+    }
+
+    /// `Connect`: the init process's pid of `container` (0 when there is no such container, as
+    /// containerd's own shim answers).
+    pub fn task_pid(&self, container: &str) -> u32 {
+        self.tasks().init_pid(container).unwrap_or(0)
+    }
+
+    /// `Shutdown`: whether the shim may exit now, which it may once it has no containers left
+    /// (one shim serves every container of a pod).
+    pub fn may_shut_down(&self) -> bool {
+        self.tasks().is_empty()
+    }
+
+    /// Publishes `TaskOOM` for a container; for the backend's memory monitor.
+    pub fn report_oom(&self, container: &str) -> Result<(), ServiceError> {
+        Ok(self.tasks().oom(container)?)
+    }
+}

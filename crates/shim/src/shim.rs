@@ -1,0 +1,118 @@
+//! The shim process: containerd's `start` and `delete` subcommands and the serving loop, on the
+//! `containerd-shim` crate's async [`Shim`] trait.
+//!
+//! * `start` (run by containerd in the bundle directory) decides which shim serves the container:
+//!   the pod's ([`crate::pod_id`] of the bundle's annotations). The crate's `spawn` names the
+//!   shim's socket after that grouping, so the first container of a pod starts a shim process and
+//!   the others find its socket and answer its address.
+//! * `delete` is what containerd runs when a shim died without cleaning up: it reports the task
+//!   killed (status 137).
+//! * Otherwise the process serves the task API ([`TtrpcTask`]) until `Shutdown` finds no
+//!   container left, publishing events to containerd through [`RemoteSink`].
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use containerd_shim::asynchronous::publisher::RemotePublisher;
+use containerd_shim::asynchronous::util::write_str_to_file;
+use containerd_shim::asynchronous::{spawn, ExitSignal, Shim};
+use containerd_shim::{Config, Error, Flags, StartOpts};
+use containerd_shim_protos::api::DeleteResponse;
+use containerd_shim_protos::ttrpc::context::Context;
+use tokio::sync::mpsc;
+
+use crate::events::{EventSink, TaskEvent};
+use crate::service::TaskService;
+use crate::ttrpc::{bundle_annotations, event_message, timestamp, TtrpcTask};
+use crate::vm::{SharedVmBackend, VmBackend};
+
+/// The exit status `delete` reports for a task whose shim is gone: 128 + SIGKILL.
+const KILLED_STATUS: u32 = 128 + 9;
+
+/// An [`EventSink`] that forwards events, in order, to containerd's event service.
+#[derive(Debug, Clone)]
+pub struct RemoteSink {
+    queue: mpsc::UnboundedSender<TaskEvent>,
+}
+
+impl RemoteSink {
+    /// Starts the forwarding task (on the current tokio runtime) for `namespace`.
+    pub fn start(publisher: RemotePublisher, namespace: String) -> RemoteSink {
+        let (queue, mut events) = mpsc::unbounded_channel::<TaskEvent>();
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                let message = event_message(&event);
+                let sent =
+                    publisher.publish(Context::default(), event.topic(), &namespace, message);
+                if let Err(e) = sent.await {
+                    tracing::warn!("publishing {}: {e}", event.topic());
+                }
+            }
+        });
+        RemoteSink { queue }
+    }
+}
+
+impl EventSink for RemoteSink {
+    fn publish(&self, event: TaskEvent) {
+        if self.queue.send(event).is_err() {
+            tracing::warn!("the event queue is closed: an event was dropped");
+        }
+    }
+}
+
+/// The shim (see the module documentation).
+pub struct BulkheadShim {
+    exit: Arc<ExitSignal>,
+    namespace: String,
+}
+
+impl std::fmt::Debug for BulkheadShim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BulkheadShim")
+            .field("namespace", &self.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Shim for BulkheadShim {
+    type T = TtrpcTask<SharedVmBackend>;
+
+    async fn new(_runtime_id: &str, args: &Flags, _config: &mut Config) -> Self {
+        BulkheadShim {
+            exit: Arc::new(ExitSignal::default()),
+            namespace: args.namespace.clone(),
+        }
+    }
+
+    async fn start_shim(&mut self, opts: StartOpts) -> Result<String, Error> {
+        // containerd runs `start` in the bundle directory.
+        let annotations = bundle_annotations(Path::new(".")).unwrap_or_default();
+        let grouping = crate::pod_id(&opts.id, &annotations).to_owned();
+        let address = spawn(opts, &grouping, Vec::new()).await?;
+        write_str_to_file("address", &address).await?;
+        Ok(address)
+    }
+
+    async fn delete_shim(&mut self) -> Result<DeleteResponse, Error> {
+        Ok(DeleteResponse {
+            exit_status: KILLED_STATUS,
+            exited_at: timestamp(SystemTime::now()),
+            ..Default::default()
+        })
+    }
+
+    async fn wait(&mut self) {
+        self.exit.wait().await;
+    }
+
+    async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
+        let sink = RemoteSink::start(publisher, self.namespace.clone());
+        let backend = SharedVmBackend(Arc::new(VmBackend::new(None)));
+        let service = TaskService::new(backend, Arc::new(sink));
+        TtrpcTask::new(service, Arc::clone(&self.exit))
+    }
+}

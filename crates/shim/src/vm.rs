@@ -1,0 +1,451 @@
+//! The microVM backend: one bulkhead sandbox per pod, containers run in it by the agent's
+//! container execs.
+//!
+//! `create` reads the bundle's `config.json`, mounts containerd's rootfs mounts on the bundle's
+//! `rootfs` ([`crate::rootfs`]) and boots the pod's VM ([`bulkhead_sandbox::Sandbox`]) sized by
+//! the spec ([`oci::vm_size`]), with that directory shared into the guest read-only at
+//! [`GUEST_ROOTS`]`/<container id>`. `start` runs the OCI process there as a container exec
+//! ([`oci::exec_request`]) and carries its stdio between containerd's FIFOs and the exec's
+//! stream on two threads; the exec's `Exit` becomes the process's exit. Execs join the init
+//! process's namespaces. `delete` of the pod's last container destroys the VM and unmounts.
+//!
+//! The share is read-only: the container writes to a layer of its own in guest RAM (the agent's
+//! overlay; OCI `root.readonly` gives it the root read-only instead), so containerd's snapshot
+//! never changes.
+//!
+//! Not yet: a second container in a running pod (the VM's shares are fixed at boot; the share
+//! slots of templates are the way), resource updates and guest-side stats (Update is refused,
+//! Stats reports the VM's size).
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use bulkhead_protocol::client::{AgentClient, ExecEvent, ExecReader, ExecWriter};
+use bulkhead_protocol::{ExecRequest, ExitStatus, WindowSize};
+use bulkhead_sandbox::{Mount as Share, Sandbox, SandboxConfig};
+use oci_spec::runtime::{Process, Spec};
+use tokio::sync::oneshot;
+
+use crate::backend::{
+    Backend, BackendError, ContainerSpec, ExecProcess, Resources, StartSpec, Started, Stats,
+};
+use crate::state::{Exit, ProcessKey, Stdio};
+use crate::{oci, rootfs};
+
+/// Where each container's root is shared in the guest: `<GUEST_ROOTS>/<container id>`.
+pub const GUEST_ROOTS: &str = "/run/bulkhead/containers";
+
+/// Exit status of a process whose exec stream broke without an exit (the VM is gone).
+const LOST: u32 = 255;
+
+/// One pod's VM.
+struct Pod {
+    sandbox: Sandbox,
+    memory_mib: u32,
+    /// How long a request to the pod's agent may wait for an answer: the boot timeout.
+    patience: Duration,
+}
+
+/// How long a pod's VM may take to boot when the backend is given no base configuration: longer
+/// than the library's default (60 s), since a pod start on a loaded node is no reason to fail
+/// (the kubelet's own patience is minutes).
+pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// One container.
+struct Container {
+    pod: String,
+    rootfs: PathBuf,
+    mounted: bool,
+    guest_root: String,
+    read_only_root: bool,
+    process: Process,
+    client: AgentClient,
+    init_pid: Option<u32>,
+}
+
+/// The microVM backend (see the module documentation).
+#[derive(Default)]
+pub struct VmBackend {
+    base: Option<SandboxConfig>,
+    pods: Mutex<HashMap<String, Pod>>,
+    containers: Mutex<HashMap<String, Container>>,
+    running: Mutex<HashMap<ProcessKey, ExecWriter>>,
+}
+
+impl std::fmt::Debug for VmBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmBackend").finish_non_exhaustive()
+    }
+}
+
+fn failed(e: impl std::fmt::Display) -> BackendError {
+    BackendError::Failed(e.to_string())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl VmBackend {
+    /// A backend whose VMs start from `base` (kernel, initramfs, VMM binary, runtime directory);
+    /// memory, vCPUs and shares come from each pod's spec. `None`: this machine's defaults
+    /// (`SandboxConfig::default`, which honours `BULKHEAD_KERNEL`, `BULKHEAD_INITRD`,
+    /// `BULKHEAD_VMM`).
+    pub fn new(base: Option<SandboxConfig>) -> VmBackend {
+        VmBackend {
+            base,
+            ..VmBackend::default()
+        }
+    }
+
+    fn boot(&self, spec: &Spec, rootfs: &Path, guest_root: &str) -> Result<Pod, BackendError> {
+        let size = oci::vm_size(spec);
+        let config = SandboxConfig {
+            memory_mib: size.memory_mib,
+            vcpus: size.vcpus,
+            mounts: vec![Share {
+                host: rootfs.to_owned(),
+                guest: PathBuf::from(guest_root),
+                read_only: true,
+            }],
+            kill_on_parent_exit: true,
+            ..self.base.clone().unwrap_or_else(|| SandboxConfig {
+                ready_timeout: DEFAULT_BOOT_TIMEOUT,
+                ..SandboxConfig::default()
+            })
+        };
+        let sandbox = Sandbox::start(&config).map_err(failed)?;
+        Ok(Pod {
+            sandbox,
+            memory_mib: size.memory_mib,
+            // The first exec of a guest that has just come up on a loaded host can take far
+            // longer than the client's default 10 s to start, as for `bulkhead run`.
+            patience: config.ready_timeout.max(Duration::from_secs(10)),
+        })
+    }
+
+    fn create_blocking(&self, spec: &ContainerSpec) -> Result<u32, BackendError> {
+        if lock(&self.pods).contains_key(&spec.pod) {
+            return Err(BackendError::Unimplemented(format!(
+                "pod {}: a second container in a running pod's microVM is not supported yet",
+                spec.pod
+            )));
+        }
+        let bundle = Path::new(&spec.bundle);
+        let oci_spec =
+            oci::load(bundle).map_err(|e| BackendError::InvalidArgument(e.to_string()))?;
+        let process = oci_spec
+            .process()
+            .clone()
+            .ok_or_else(|| BackendError::InvalidArgument(oci::OciError::NoProcess.to_string()))?;
+        let root = oci_spec
+            .root()
+            .as_ref()
+            .map_or(PathBuf::from("rootfs"), |r| r.path().clone());
+        let rootfs = bundle.join(root);
+        rootfs::mount_all(&spec.rootfs, &rootfs).map_err(failed)?;
+        let mounted = !spec.rootfs.is_empty();
+        let guest_root = format!("{GUEST_ROOTS}/{}", spec.id);
+        let pod = match self.boot(&oci_spec, &rootfs, &guest_root) {
+            Ok(pod) => pod,
+            Err(e) => {
+                if mounted {
+                    let _ = rootfs::unmount(&rootfs);
+                }
+                return Err(e);
+            }
+        };
+        let pid = pod.sandbox.vmm_pid().unwrap_or(0);
+        let client = pod.sandbox.client().with_timeout(pod.patience);
+        lock(&self.pods).insert(spec.pod.clone(), pod);
+        let container = Container {
+            pod: spec.pod.clone(),
+            rootfs,
+            mounted,
+            guest_root,
+            read_only_root: oci_spec
+                .root()
+                .as_ref()
+                .and_then(|r| r.readonly())
+                .unwrap_or(false),
+            process,
+            client,
+            init_pid: None,
+        };
+        lock(&self.containers).insert(spec.id.clone(), container);
+        Ok(pid)
+    }
+
+    /// The agent request for `spec` and the client of its container's VM.
+    fn request_for(&self, spec: &StartSpec) -> Result<(ExecRequest, AgentClient), BackendError> {
+        let containers = lock(&self.containers);
+        let c = containers
+            .get(&spec.key.container)
+            .ok_or_else(|| BackendError::NotFound(spec.key.container.clone()))?;
+        let stdin = !spec.stdio.stdin.is_empty() && !spec.stdin_closed;
+        let mut place = oci::Placement {
+            root: &c.guest_root,
+            join_pid: None,
+            read_only_root: c.read_only_root,
+        };
+        let req = match &spec.exec {
+            None => oci::exec_request(&c.process, place, stdin),
+            Some(exec) => {
+                place.join_pid = Some(c.init_pid.ok_or_else(|| {
+                    BackendError::InvalidArgument(
+                        "the container's first process is not running".into(),
+                    )
+                })?);
+                oci::exec_request(&exec_process(&c.process, exec), place, stdin)
+            }
+        }
+        .map_err(|e| BackendError::InvalidArgument(e.to_string()))?;
+        Ok((req, c.client.clone()))
+    }
+
+    fn start_blocking(&self, spec: &StartSpec) -> Result<Started, BackendError> {
+        let (req, client) = self.request_for(spec)?;
+        let session = client.exec(&req).map_err(failed)?;
+        let pid = session.pid().ok_or_else(|| {
+            BackendError::InvalidArgument(format!("{:?} could not be run", req.argv))
+        })?;
+        let (writer, reader) = session.split();
+        if spec.exec.is_none() {
+            if let Some(c) = lock(&self.containers).get_mut(&spec.key.container) {
+                c.init_pid = Some(pid);
+            }
+        }
+        lock(&self.running).insert(spec.key.clone(), writer.clone());
+        let (tx, rx) = oneshot::channel();
+        pump_output(reader, spec.stdio.clone(), tx);
+        if req.stdin {
+            pump_input(spec.stdio.stdin.clone(), writer);
+        }
+        Ok(Started { pid, exit: rx })
+    }
+
+    fn writer(&self, key: &ProcessKey) -> Result<ExecWriter, BackendError> {
+        lock(&self.running)
+            .get(key)
+            .cloned()
+            .ok_or_else(|| BackendError::NotFound(format!("{key:?}")))
+    }
+
+    fn delete_blocking(&self, container_id: &str, pod: &str) -> Result<(), BackendError> {
+        lock(&self.running).retain(|k, _| k.container != container_id);
+        let (c, pod_left) = {
+            let mut containers = lock(&self.containers);
+            let Some(c) = containers.remove(container_id) else {
+                return Ok(());
+            };
+            (c, containers.values().any(|other| other.pod == pod))
+        };
+        let last = match pod_left {
+            true => None,
+            false => lock(&self.pods).remove(pod),
+        };
+        let destroyed = last.map(|p| p.sandbox.destroy()).transpose();
+        let unmounted = match c.mounted {
+            true => rootfs::unmount(&c.rootfs).map_err(failed),
+            false => Ok(()),
+        };
+        destroyed.map_err(failed)?;
+        unmounted
+    }
+}
+
+/// The init process's spec with an exec's args, env, cwd and terminal.
+fn exec_process(init: &Process, exec: &ExecProcess) -> Process {
+    let mut p = init.clone();
+    p.set_args(Some(exec.args.clone()));
+    p.set_env(Some(exec.env.clone()));
+    if !exec.cwd.is_empty() {
+        p.set_cwd(PathBuf::from(&exec.cwd));
+    }
+    p.set_terminal(Some(exec.terminal));
+    p
+}
+
+/// containerd's status for an exec's end: the code, or 128 + the signal.
+pub fn status_of(exit: &ExitStatus) -> u32 {
+    exit.shell_code().map_or(LOST, |c| c.clamp(0, 255) as u32)
+}
+
+/// Opens a FIFO for writing, or nothing when containerd gave no path.
+fn open_out(path: &str) -> Option<File> {
+    (!path.is_empty())
+        .then(|| OpenOptions::new().write(true).open(path).ok())
+        .flatten()
+}
+
+/// Copies the exec's output to containerd's FIFOs on a thread of its own, then reports its exit
+/// (a stream that breaks first reports [`LOST`]).
+fn pump_output(mut reader: ExecReader, stdio: Stdio, tx: oneshot::Sender<Exit>) {
+    std::thread::spawn(move || {
+        let mut out = open_out(&stdio.stdout);
+        let mut err = match stdio.terminal {
+            true => None,
+            false => open_out(&stdio.stderr),
+        };
+        let status = loop {
+            match reader.next_event() {
+                Ok(Some(ExecEvent::Stdout(b))) => {
+                    out.as_mut().map(|f| f.write_all(&b));
+                }
+                Ok(Some(ExecEvent::Stderr(b))) => {
+                    err.as_mut().map(|f| f.write_all(&b));
+                }
+                Ok(Some(ExecEvent::Exit(s))) => break status_of(&s),
+                Ok(None) | Err(_) => break LOST,
+            }
+        };
+        drop((out, err));
+        let _ = tx.send(Exit {
+            status,
+            at: SystemTime::now(),
+        });
+    });
+}
+
+/// Copies containerd's stdin FIFO to the exec on a thread of its own; end of file closes the
+/// command's stdin.
+fn pump_input(path: String, writer: ExecWriter) {
+    std::thread::spawn(move || {
+        let Ok(mut fifo) = File::open(&path) else {
+            let _ = writer.close_stdin();
+            return;
+        };
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match fifo.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if writer.write_stdin(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        let _ = writer.close_stdin();
+    });
+}
+
+/// Runs `f` on the blocking pool with a clone of the backend's handle.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, BackendError> + Send + 'static,
+) -> Result<T, BackendError> {
+    tokio::task::spawn_blocking(f).await.map_err(failed)?
+}
+
+/// The shared backend; the task service holds it in an `Arc`.
+#[derive(Debug, Clone, Default)]
+pub struct SharedVmBackend(pub Arc<VmBackend>);
+
+#[async_trait]
+impl Backend for SharedVmBackend {
+    async fn create(&self, spec: &ContainerSpec) -> Result<u32, BackendError> {
+        let (me, spec) = (Arc::clone(&self.0), spec.clone());
+        blocking(move || me.create_blocking(&spec)).await
+    }
+    async fn start(&self, spec: &StartSpec) -> Result<Started, BackendError> {
+        let (me, spec) = (Arc::clone(&self.0), spec.clone());
+        blocking(move || me.start_blocking(&spec)).await
+    }
+    async fn kill(&self, key: &ProcessKey, signal: u32, _all: bool) -> Result<(), BackendError> {
+        let signo = i32::try_from(signal)
+            .map_err(|_| BackendError::InvalidArgument(format!("signal {signal}")))?;
+        self.0.writer(key)?.signal(signo).map_err(failed)
+    }
+    async fn resize_pty(
+        &self,
+        key: &ProcessKey,
+        width: u32,
+        height: u32,
+    ) -> Result<(), BackendError> {
+        let size = WindowSize {
+            rows: u16::try_from(height).unwrap_or(u16::MAX).max(1),
+            cols: u16::try_from(width).unwrap_or(u16::MAX).max(1),
+        };
+        self.0.writer(key)?.resize(size).map_err(failed)
+    }
+    async fn close_stdin(&self, key: &ProcessKey) -> Result<(), BackendError> {
+        self.0.writer(key)?.close_stdin().map_err(failed)
+    }
+    async fn update(&self, _id: &str, _resources: &Resources) -> Result<(), BackendError> {
+        Err(BackendError::Unimplemented(
+            "bulkhead shim: resource updates of a running microVM are not supported yet".into(),
+        ))
+    }
+    async fn stats(&self, container_id: &str) -> Result<Stats, BackendError> {
+        let containers = lock(&self.0.containers);
+        let c = containers
+            .get(container_id)
+            .ok_or_else(|| BackendError::NotFound(container_id.into()))?;
+        let limit = lock(&self.0.pods)
+            .get(&c.pod)
+            .map_or(0, |p| u64::from(p.memory_mib) << 20);
+        Ok(Stats {
+            memory_limit_bytes: limit,
+            ..Stats::default()
+        })
+    }
+    async fn delete(&self, container_id: &str, pod: &str) -> Result<(), BackendError> {
+        let (me, id, pod) = (Arc::clone(&self.0), container_id.to_owned(), pod.to_owned());
+        blocking(move || me.delete_blocking(&id, &pod)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exit_code_is_the_status_and_a_signal_is_128_plus_it() {
+        // Arrange
+        let exit = |code, signal| ExitStatus {
+            code,
+            signal,
+            timed_out: false,
+        };
+
+        // Act
+        let statuses =
+            [exit(Some(3), None), exit(None, Some(9)), exit(None, None)].map(|e| status_of(&e));
+
+        // Assert
+        assert_eq!(statuses, [3, 137, LOST]);
+    }
+
+    #[test]
+    fn an_exec_takes_the_init_processs_user_and_limits_with_its_own_command() {
+        // Arrange
+        let init: Process = serde_json::from_value(serde_json::json!({
+            "user": { "uid": 7, "gid": 8 }, "args": ["sleep", "100"], "cwd": "/",
+            "noNewPrivileges": true
+        }))
+        .unwrap();
+        let exec = ExecProcess::from_json(
+            br#"{"args":["ls","/"],"env":["A=1"],"cwd":"/tmp","terminal":true}"#,
+        )
+        .unwrap();
+
+        // Act
+        let p = exec_process(&init, &exec);
+
+        // Assert
+        assert_eq!(
+            p.args().as_deref(),
+            Some(&["ls".to_string(), "/".to_string()][..])
+        );
+        assert_eq!(p.env().as_deref(), Some(&["A=1".to_string()][..]));
+        assert_eq!(p.cwd(), Path::new("/tmp"));
+        assert_eq!(p.terminal(), Some(true));
+        assert_eq!((p.user().uid(), p.user().gid()), (7, 8));
+        assert_eq!(p.no_new_privileges(), Some(true));
+    }
+}

@@ -1,0 +1,253 @@
+//! The containerd shim's microVM backend in a real guest, driven as the shim's task service
+//! drives it (create, start, exec, exit, delete), with stdio through FIFOs as containerd makes
+//! them. containerd itself is not involved: the bundle is made here (`config.json` and a
+//! busybox `rootfs`).
+
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::symlink;
+use std::path::Path;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use bulkhead_shim::backend::{Backend, ContainerSpec, ExecProcess, StartSpec};
+use bulkhead_shim::state::{ProcessKey, Stdio};
+use bulkhead_shim::vm::{SharedVmBackend, VmBackend};
+use bulkhead_tests::{artifacts, guest_test, sandbox_config};
+
+/// A bundle: `config.json` running `script` with a 128 MiB memory limit, and a busybox rootfs.
+fn bundle(dir: &Path, script: &str) {
+    let rootfs = dir.join("rootfs");
+    for sub in ["bin", "proc", "dev", "sys"] {
+        std::fs::create_dir_all(rootfs.join(sub)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).unwrap();
+    for applet in ["sh", "cat", "echo", "uname", "grep", "ls"] {
+        symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(rootfs.join("marker"), "from the bundle\n").unwrap();
+    let config = serde_json::json!({
+        "ociVersion": "1.1.0",
+        "process": {
+            "user": { "uid": 0, "gid": 0 },
+            "args": ["sh", "-c", script],
+            "env": ["PATH=/bin"],
+            "cwd": "/"
+        },
+        "root": { "path": "rootfs" },
+        "linux": { "resources": { "memory": { "limit": 128 * 1024 * 1024 } } }
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+}
+
+fn fifo(dir: &Path, name: &str) -> String {
+    let path = dir.join(name);
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: mkfifo(3) with a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    path.to_str().unwrap().to_owned()
+}
+
+/// Reads a FIFO to its end on a thread (opening it blocks until the backend opens the other end).
+fn drain(path: String) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .unwrap()
+            .read_to_string(&mut text)
+            .unwrap();
+        text
+    })
+}
+
+fn stdio(dir: &Path, prefix: &str, stdin: bool) -> Stdio {
+    Stdio {
+        stdin: match stdin {
+            true => fifo(dir, &format!("{prefix}-in")),
+            false => String::new(),
+        },
+        stdout: fifo(dir, &format!("{prefix}-out")),
+        stderr: fifo(dir, &format!("{prefix}-err")),
+        terminal: false,
+    }
+}
+
+guest_test!(
+    fn the_shim_backend_runs_a_bundle_in_a_microvm_and_execs_into_it() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        bundle(
+            dir.path(),
+            "uname -r; cat /marker; grep MemTotal /proc/meminfo; echo w > /written && cat /written; echo oops >&2; read go; exit 3",
+        );
+        let init_io = stdio(dir.path(), "init", true);
+        let exec_io = stdio(dir.path(), "exec", false);
+        let (out, err) = (drain(init_io.stdout.clone()), drain(init_io.stderr.clone()));
+        let (exec_out, _exec_err) = (drain(exec_io.stdout.clone()), drain(exec_io.stderr.clone()));
+        let backend = SharedVmBackend(Arc::new(VmBackend::new(Some(sandbox_config()))));
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let spec = ContainerSpec {
+            id: "c1".into(),
+            pod: "c1".into(),
+            bundle: dir.path().to_str().unwrap().into(),
+            rootfs: Vec::new(),
+            stdio: init_io.clone(),
+            annotations: Default::default(),
+        };
+        let exec =
+            ExecProcess::from_json(br#"{"args":["sh","-c","echo pid=$$; cat /marker"],"cwd":"/"}"#)
+                .unwrap();
+
+        // Act
+        let (status, exec_status) = rt.block_on(async {
+            backend.create(&spec).await.unwrap();
+            let init = StartSpec {
+                key: ProcessKey::init("c1"),
+                stdio: init_io.clone(),
+                exec: None,
+                stdin_closed: false,
+            };
+            let started = backend.start(&init).await.unwrap();
+            let key = ProcessKey {
+                container: "c1".into(),
+                exec: Some("e1".into()),
+            };
+            let e = StartSpec {
+                key,
+                stdio: exec_io.clone(),
+                exec: Some(exec),
+                stdin_closed: false,
+            };
+            let exec_started = backend.start(&e).await.unwrap();
+            let exec_status = exec_started.exit.await.unwrap().status;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&init_io.stdin)
+                .unwrap()
+                .write_all(b"go\n")
+                .unwrap();
+            let status = started.exit.await.unwrap().status;
+            backend.delete("c1", "c1").await.unwrap();
+            (status, exec_status)
+        });
+
+        // Assert
+        let (out, err, exec_out) = (
+            out.join().unwrap(),
+            err.join().unwrap(),
+            exec_out.join().unwrap(),
+        );
+        let lines: Vec<&str> = out.lines().collect();
+        let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        assert_ne!(
+            lines[0],
+            host_release.trim(),
+            "the guest's kernel, not the host's: {out}"
+        );
+        assert_eq!(lines[1], "from the bundle", "{out}");
+        let mem_kib: u64 = lines[2].split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert!(
+            (64 * 1024..=128 * 1024).contains(&mem_kib),
+            "the 128 MiB limit is the guest's: {out}"
+        );
+        assert_eq!(
+            lines[3], "w",
+            "the container writes to a layer of its own: {out}"
+        );
+        assert!(
+            !dir.path().join("rootfs/written").exists(),
+            "the bundle's rootfs is unchanged"
+        );
+        assert_eq!(err, "oops\n");
+        assert_eq!(status, 3);
+        assert!(
+            exec_out.starts_with("pid=") && !exec_out.starts_with("pid=1\n"),
+            "{exec_out}"
+        );
+        assert!(exec_out.ends_with("from the bundle\n"), "{exec_out}");
+        assert_eq!(exec_status, 0);
+    }
+);
+
+/// `scripts/containerd-demo.sh FLAGS -- CMD` in the test host: containerd, an offline image, and
+/// `ctr run --runtime io.containerd.bulkhead.v2`, with this build's shim, VMM, kernel and agent.
+fn ctr_run(flags: &[&str], cmd: &[&str]) -> std::process::Output {
+    let a = artifacts();
+    let bin = bulkhead_tests::containerd::bin_dir();
+    assert!(
+        bin.join("containerd").is_file(),
+        "containerd is not installed on the host: apt-get install containerd (scripts/setup.sh does)"
+    );
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    std::process::Command::new(bin.join("bash"))
+        .arg(bulkhead_tests::workspace_root().join("scripts/containerd-demo.sh"))
+        .arg("--bin")
+        .arg(bulkhead_tests::profile_dir())
+        .args(flags)
+        .arg("--")
+        .args(cmd)
+        .env("PATH", path)
+        .env("BULKHEAD_KERNEL", &a.vmlinux)
+        .env("BULKHEAD_INITRD", &a.agent_initrd)
+        .env("BULKHEAD_VMM", &a.vmm)
+        .output()
+        .unwrap()
+}
+
+guest_test!(
+    fn ctr_run_exec_kill_and_a_memory_limit_through_containerd_run_in_a_microvm() {
+        // Arrange
+        let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+
+        // Act
+        let uname = ctr_run(&["--more"], &["uname", "-r"]);
+        let failing = ctr_run(&[], &["sh", "-c", "echo bye; exit 7"]);
+
+        // Assert
+        let shown = |o: &std::process::Output| {
+            format!(
+                "{:?}\n--- stdout\n{}\n--- stderr\n{}",
+                o.status,
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        };
+        assert!(uname.status.success(), "{}", shown(&uname));
+        let stdout = String::from_utf8_lossy(&uname.stdout).into_owned();
+        let lines: Vec<&str> = stdout.lines().chain(["", "", "", ""]).collect();
+        let release = lines[0];
+        assert!(
+            !release.is_empty() && release != host_release.trim(),
+            "{}",
+            shown(&uname)
+        );
+        // `ctr task exec` into a running task: its output and exit status, not PID 1.
+        assert!(
+            lines[1].starts_with("exec: status=4 output=in-exec pid="),
+            "{}",
+            shown(&uname)
+        );
+        assert!(!lines[1].ends_with("pid=1"), "{}", shown(&uname));
+        // `ctr task kill` delivers SIGTERM: the shell's trap ends the task.
+        assert_eq!(lines[2], "kill: STOPPED", "{}", shown(&uname));
+        // `--memory-limit 64 MiB` is the guest's memory.
+        let kib: u64 = lines[3]
+            .split_whitespace()
+            .nth(2)
+            .and_then(|k| k.parse().ok())
+            .unwrap_or_else(|| panic!("{}", shown(&uname)));
+        assert!((40 * 1024..=64 * 1024).contains(&kib), "{}", shown(&uname));
+        assert_eq!(failing.status.code(), Some(7), "{}", shown(&failing));
+        assert_eq!(
+            String::from_utf8_lossy(&failing.stdout),
+            "bye\n",
+            "{}",
+            shown(&failing)
+        );
+    }
+);
