@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use bulkhead_sandbox::{Sandbox, SandboxConfig, Storage};
 use bulkhead_tests::{
-    artifacts, copy_for_any_user, describe, in_vm_host, run_sh, sha256_hex, socket_dir,
+    artifacts, copy_for_any_user, describe, in_vm_host, run_sh, sandbox_config, sha256_hex,
+    socket_dir,
 };
 use bulkhead_vmm::config::DiskConfig;
 
@@ -45,14 +46,9 @@ fn use_mkfs_from(dir: &Path) {
 }
 
 fn config() -> SandboxConfig {
-    let a = artifacts();
     SandboxConfig {
-        kernel: a.vmlinux.clone(),
-        initrd: a.agent_initrd.clone(),
-        vmm_binary: a.vmm.clone(),
         memory_mib: 256,
-        ready_timeout: Duration::from_secs(300),
-        ..SandboxConfig::default()
+        ..sandbox_config()
     }
 }
 

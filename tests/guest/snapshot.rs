@@ -2,27 +2,22 @@
 //! something, restored as several clones that continue from there, each a distinct machine.
 
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use bulkhead_protocol::client::ExecOutput;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::snapshot::MANIFEST_FILE;
 use bulkhead_sandbox::{Sandbox, SandboxConfig};
-use bulkhead_tests::{artifacts, guest_test};
+use bulkhead_tests::{guest_test, sandbox_config};
 
 /// Guest RAM of every sandbox here, MiB.
 const MEMORY_MIB: u32 = 256;
 
 fn config() -> SandboxConfig {
-    let a = artifacts();
     SandboxConfig {
-        kernel: a.vmlinux.clone(),
-        initrd: a.agent_initrd.clone(),
-        vmm_binary: a.vmm.clone(),
         memory_mib: MEMORY_MIB,
-        ready_timeout: Duration::from_secs(300),
         // The tests run as root: the VMMs are jailed, as for every sandbox of a root process.
-        ..SandboxConfig::default()
+        ..sandbox_config()
     }
 }
 

@@ -10,20 +10,15 @@ use bulkhead_protocol::client::{ExecEvent, ExecSession};
 use bulkhead_protocol::{ByteString, ExecRequest, WindowSize};
 use bulkhead_sandbox::{Sandbox, SandboxConfig};
 use bulkhead_tests::pty::{collect, lflag, terminal};
-use bulkhead_tests::{artifacts, guest_test};
+use bulkhead_tests::{artifacts, guest_test, sandbox_config};
 
 /// Long enough for anything here in the nested test host.
 const PATIENCE: Duration = Duration::from_secs(120);
 
 fn config() -> SandboxConfig {
-    let a = artifacts();
     SandboxConfig {
-        kernel: a.vmlinux.clone(),
-        initrd: a.agent_initrd.clone(),
-        vmm_binary: a.vmm.clone(),
         memory_mib: 256,
-        ready_timeout: Duration::from_secs(300),
-        ..SandboxConfig::default()
+        ..sandbox_config()
     }
 }
 
