@@ -449,6 +449,30 @@ fn remote(spec: &std::ffi::OsStr) -> Option<(&str, &[u8])> {
     (!id.is_empty() && !id.contains('/') && path.first() == Some(&b'/')).then_some((id, path))
 }
 
+/// Why `cp SRC DST` names no single sandbox side: both do, or neither does (naming the argument
+/// that looks like a sandbox path with a relative guest path).
+fn sides_error(src: &std::ffi::OsStr, dst: &std::ffi::OsStr) -> String {
+    if remote(src).is_some() {
+        return format!(
+            "SRC and DST are both sandbox paths ({} and {}): one of them must be a host path",
+            src.to_string_lossy(),
+            dst.to_string_lossy()
+        );
+    }
+    let relative = |spec: &std::ffi::OsStr| {
+        let text = spec.to_string_lossy();
+        let looks = text.split_once(':').is_some_and(|(id, _)| {
+            !id.is_empty() && !id.contains('/') && !Path::new(spec).exists()
+        });
+        looks.then(|| text.into_owned())
+    };
+    match (relative(src), relative(dst)) {
+        (Some(s), _) => format!("SRC {s}: the guest path must be absolute (ID:/absolute/path)"),
+        (_, Some(d)) => format!("DST {d}: the guest path must be absolute (ID:/absolute/path)"),
+        _ => "exactly one of SRC and DST must be ID:/absolute/path".into(),
+    }
+}
+
 /// A single-file copy's guest path as text (its API takes UTF-8 only).
 fn utf8_path(path: &[u8]) -> Result<&str, String> {
     std::str::from_utf8(path).map_err(|_| {
@@ -506,7 +530,7 @@ pub fn cp(args: CpArgs) -> ExitCode {
                 .map_err(|e| format!("{dst_shown}: {e}"))?;
                 Ok(0)
             }
-            _ => Err("exactly one of SRC and DST must be ID:/absolute/path".into()),
+            _ => Err(sides_error(&args.src, &args.dst)),
         }
     })
 }
@@ -528,7 +552,7 @@ fn cp_recursive(args: CpArgs) -> ExitCode {
             (Some((id, path)), None) => {
                 crate::cp_dir::copy_out(&client, id, path, Path::new(&args.dst)).await
             }
-            _ => return Err("exactly one of SRC and DST must be ID:/absolute/path".into()),
+            _ => return Err(sides_error(&args.src, &args.dst)),
         };
         result.or_else(crate::cp_dir::CpError::into_exit)
     })
@@ -743,5 +767,26 @@ mod tests {
         assert_eq!(remote("./local:file".as_ref()), None);
         assert_eq!(remote("abc:relative".as_ref()), None);
         assert_eq!(remote("/abs/path".as_ref()), None);
+    }
+
+    #[test]
+    fn a_relative_guest_path_is_named_by_its_argument() {
+        // Arrange / Act
+        let dst = sides_error("/tmp".as_ref(), "abc:rel/x".as_ref());
+        let src = sides_error("abc:rel".as_ref(), "/tmp/y".as_ref());
+        let both = sides_error("a:/x".as_ref(), "b:/y".as_ref());
+        let neither = sides_error("/tmp/a".as_ref(), "/tmp/b".as_ref());
+
+        // Assert
+        assert_eq!(
+            dst,
+            "DST abc:rel/x: the guest path must be absolute (ID:/absolute/path)"
+        );
+        assert!(src.starts_with("SRC abc:rel: "), "{src}");
+        assert!(both.contains("both sandbox paths"), "{both}");
+        assert_eq!(
+            neither,
+            "exactly one of SRC and DST must be ID:/absolute/path"
+        );
     }
 }

@@ -138,6 +138,14 @@ class CreateAndListTest(DaemonTest):
         with mock.patch.dict(os.environ, {"BULKHEAD_SOCKET": ""}):
             self.assertEqual(bulkhead.Client().socket, "/run/bulkhead/bulkheadd.sock")
 
+    def test_an_empty_socket_argument_is_refused_by_name(self) -> None:
+        # Act
+        with self.assertRaises(ValueError) as raised:
+            bulkhead.Client(socket="")
+
+        # Assert
+        self.assertIn("socket", str(raised.exception))
+
 
 class ErrorTest(DaemonTest):
     def test_error_documents_map_to_exception_classes_with_status_code_and_message(self) -> None:

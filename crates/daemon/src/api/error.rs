@@ -77,7 +77,11 @@ impl ApiError {
             other => Self::new(
                 StatusCode::BAD_GATEWAY,
                 "agent_unreachable",
-                format!("cannot reach the guest agent: {other}"),
+                format!(
+                    "cannot reach the guest agent: {other} (a guest that stopped answering may be \
+                     out of memory or hung: `bulkhead logs ID` shows its console, \
+                     `bulkhead rm ID` ends it)"
+                ),
             ),
         }
     }

@@ -28,9 +28,13 @@ Body = Union[bytes, None]
 
 def socket_path(socket_arg: Union[str, "os.PathLike[str]", None] = None) -> str:
     """The socket to use: ``socket_arg``, else ``$BULKHEAD_SOCKET`` (when not empty), else
-    :data:`DEFAULT_SOCKET`."""
+    :data:`DEFAULT_SOCKET`. An empty ``socket_arg`` is a :class:`ValueError` (it names no
+    socket; pass ``None`` for the default)."""
     if socket_arg is not None:
-        return os.fspath(socket_arg)
+        path = os.fspath(socket_arg)
+        if not path:
+            raise ValueError("socket: an empty path names no socket (pass None for the default)")
+        return path
     return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
 
 
