@@ -176,6 +176,7 @@ pub fn prepare(mounts: &[Mount]) -> Result<Prepared, MountError> {
             path: m.host.clone(),
             read_only: m.read_only,
             owner: None,
+            follow_host_mounts: false,
         })
         .collect();
     let mut order: Vec<usize> = (0..mounts.len()).collect();

@@ -91,6 +91,9 @@ pub enum Error {
     /// Two shares have the same mount tag (the guest could mount only one of them).
     #[error("the virtio-fs tag `{0}` is given to two shares")]
     DuplicateShareTag(String),
+    /// A writable share asked to follow the host's mounts (only read-only shares may).
+    #[error("share `{0}` follows the host's mounts but is writable: only a read-only share may")]
+    WritableFollowingShare(String),
 }
 
 /// Where the guest's serial console (COM1) goes.
@@ -200,6 +203,12 @@ pub struct ShareConfig {
     /// uid and gid that files the guest creates get; default: the owner of `path`.
     #[serde(default)]
     pub owner: Option<(u32, u32)>,
+    /// Serve the host's mounts under `path` too, those there at start and those mounted later
+    /// (a jailed VMM gets the directory as a recursive slave bind: host mounts propagate in, none
+    /// propagate out). Only for a read-only share. Default: only `path`'s own file system, as it
+    /// was when the VM started (a private, non-recursive bind).
+    #[serde(default)]
+    pub follow_host_mounts: bool,
 }
 
 impl FromStr for ShareConfig {
@@ -220,6 +229,7 @@ impl FromStr for ShareConfig {
             path: PathBuf::from(path),
             read_only,
             owner: None,
+            follow_host_mounts: false,
         })
     }
 }
@@ -317,7 +327,8 @@ impl VmConfig {
     /// The KVM vCPU limit and the files themselves are checked when the VM is built.
     ///
     /// # Errors
-    /// [`Error::Vcpus`], [`Error::Memory`], [`Error::EmptyPath`].
+    /// [`Error::Vcpus`], [`Error::Memory`], [`Error::EmptyPath`], [`Error::DuplicateShareTag`],
+    /// [`Error::WritableFollowingShare`].
     pub fn validate(&self) -> Result<(), Error> {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return Err(Error::Vcpus(u32::from(self.vcpus)));
@@ -338,6 +349,13 @@ impl VmConfig {
         let mut tags = std::collections::HashSet::new();
         if let Some(dup) = self.shares.iter().find(|s| !tags.insert(s.tag.as_str())) {
             return Err(Error::DuplicateShareTag(dup.tag.clone()));
+        }
+        if let Some(share) = self
+            .shares
+            .iter()
+            .find(|s| s.follow_host_mounts && !s.read_only)
+        {
+            return Err(Error::WritableFollowingShare(share.tag.clone()));
         }
         Ok(())
     }
@@ -389,6 +407,23 @@ mod tests {
         assert!(share.read_only);
         assert!("no-equals".parse::<ShareConfig>().is_err());
         assert!("=/x".parse::<ShareConfig>().is_err());
+    }
+
+    #[test]
+    fn only_a_read_only_share_may_follow_the_hosts_mounts() {
+        // Arrange
+        let mut cfg = VmConfig::new("/k");
+        cfg.shares = vec!["roots=/a:ro".parse().unwrap(), "work=/b".parse().unwrap()];
+        cfg.shares[0].follow_host_mounts = true;
+        let mut writable = cfg.clone();
+        writable.shares[1].follow_host_mounts = true;
+
+        // Act
+        let (ok, refused) = (cfg.validate(), writable.validate());
+
+        // Assert
+        assert!(ok.is_ok(), "{ok:?}");
+        assert!(matches!(refused, Err(Error::WritableFollowingShare(ref t)) if t == "work"));
     }
 
     #[test]

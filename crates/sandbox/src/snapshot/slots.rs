@@ -72,6 +72,7 @@ fn idle(tag: String, dir: &Path) -> ShareConfig {
         path: dir.to_owned(),
         read_only: true,
         owner: None,
+        follow_host_mounts: false,
     }
 }
 

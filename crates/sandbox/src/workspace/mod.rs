@@ -301,6 +301,7 @@ pub(crate) fn prepare(
                 path: resolved.host,
                 read_only: true,
                 owner: None,
+                follow_host_mounts: false,
             }),
             param: Some(Share {
                 tag: WORKSPACE_TAG.to_owned(),

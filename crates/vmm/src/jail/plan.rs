@@ -27,6 +27,11 @@ pub struct Bind {
     /// A file the VMM creates (serial console, debug port log): created empty on the host when
     /// missing, so that it can be bind-mounted.
     pub create: bool,
+    /// A recursive bind that stays a slave of the host's mount: the mounts under `path`, those
+    /// there now and those the host adds later, are seen in the jail (a read-only share with
+    /// [`ShareConfig::follow_host_mounts`](crate::config::ShareConfig::follow_host_mounts)).
+    /// Otherwise a private bind of `path`'s own mount.
+    pub follow: bool,
 }
 
 /// Everything a VM's jail holds besides its device nodes, `/proc` and the empty root.
@@ -56,6 +61,9 @@ impl MountPlan {
         }
         for share in &vm.shares {
             plan.add(&share.path, Kind::Dir, !share.read_only, false)?;
+            if share.follow_host_mounts {
+                plan.follow(&share.path);
+            }
         }
         if let Some(vsock) = &vm.vsock {
             plan.add(&parent_of(&vsock.uds_path)?, Kind::Dir, true, false)?;
@@ -79,19 +87,37 @@ impl MountPlan {
     }
 
     /// Drops binds that a directory bind above them already gives with the same rights (a
-    /// read-only file inside a read-write directory stays: its bind narrows the rights).
+    /// read-only file inside a read-write directory stays: its bind narrows the rights; so does
+    /// any bind that follows the host's mounts or lies under one that does).
     fn drop_covered(&mut self) {
-        let dirs: Vec<(PathBuf, bool)> = self
+        let dirs: Vec<(PathBuf, bool, bool)> = self
             .binds
             .iter()
             .filter(|b| b.kind == Kind::Dir)
-            .map(|b| (b.path.clone(), b.writable))
+            .map(|b| (b.path.clone(), b.writable, b.follow))
             .collect();
         self.binds.retain(|bind| {
-            !dirs.iter().any(|(dir, writable)| {
-                *dir != bind.path && bind.path.starts_with(dir) && *writable == bind.writable
+            !dirs.iter().any(|(dir, writable, follow)| {
+                *dir != bind.path
+                    && bind.path.starts_with(dir)
+                    && *writable == bind.writable
+                    && !*follow
+                    && !bind.follow
             })
         });
+    }
+
+    /// Marks the bind of `path` as one that follows the host's mounts.
+    fn follow(&mut self, path: &Path) {
+        if let Some(bind) = self.binds.iter_mut().find(|b| b.path == path) {
+            bind.follow = true;
+        }
+    }
+
+    /// Whether any bind follows the host's mounts (the jail's mounts are then slaves of the
+    /// host's, not private).
+    pub fn follows_host_mounts(&self) -> bool {
+        self.binds.iter().any(|b| b.follow)
     }
 
     /// Adds a bind; the same path twice is one bind, read-write if either asked for it.
@@ -110,6 +136,7 @@ impl MountPlan {
             kind,
             writable,
             create,
+            follow: false,
         });
         Ok(())
     }
@@ -180,12 +207,14 @@ mod tests {
                     path: "/home/me/project".into(),
                     read_only: false,
                     owner: None,
+                    follow_host_mounts: false,
                 },
                 ShareConfig {
                     tag: "mount1".into(),
                     path: "/srv/docs".into(),
                     read_only: true,
                     owner: None,
+                    follow_host_mounts: false,
                 },
             ],
         }
@@ -197,6 +226,7 @@ mod tests {
             kind,
             writable,
             create: false,
+            follow: false,
         }
     }
 
@@ -327,5 +357,27 @@ mod tests {
 
         // Assert
         assert!(matches!(err, Error::FileAndDir(_)), "{err}");
+    }
+
+    #[test]
+    fn a_share_that_follows_host_mounts_is_its_own_bind_even_inside_another() {
+        // Arrange
+        let mut vm = vm();
+        vm.shares[1].path = "/run/sb-1/roots".into();
+        vm.shares[1].follow_host_mounts = true;
+
+        // Act
+        let plan = MountPlan::for_vm(&vm, None).unwrap();
+
+        // Assert
+        let roots = plan
+            .binds
+            .iter()
+            .find(|b| b.path == Path::new("/run/sb-1/roots"));
+        assert!(roots.is_some_and(|b| b.follow && !b.writable));
+        assert!(plan.follows_host_mounts());
+        assert!(!MountPlan::for_vm(&self::vm(), None)
+            .unwrap()
+            .follows_host_mounts());
     }
 }

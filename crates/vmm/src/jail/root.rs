@@ -77,8 +77,14 @@ pub(super) fn build(
     kvm: &DeviceNode,
     owner: (u32, u32),
 ) -> Result<(), Error> {
-    let flags = libc::MS_REC | libc::MS_PRIVATE;
-    mount(None, Path::new("/"), None, flags, None)?;
+    // Nothing mounted in the jail propagates to the host. A share that follows the host's mounts
+    // needs them to propagate in, so the copies of the host's mounts become slaves; each other
+    // bind is then made private on its own (`bind_into`).
+    let propagation = match plan.follows_host_mounts() {
+        true => libc::MS_SLAVE,
+        false => libc::MS_PRIVATE,
+    };
+    mount(None, Path::new("/"), None, libc::MS_REC | propagation, None)?;
     let sealed = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     mount(
         Some(Path::new("tmpfs")),
@@ -107,7 +113,10 @@ pub(super) fn build(
     switch_root(root)
 }
 
-/// Mounts `bind.path` at the same path under `root`, then remounts it with its final flags.
+/// Mounts `bind.path` at the same path under `root` (recursively, as a slave, when it follows
+/// the host's mounts; otherwise alone and private), then remounts it with its final flags (which
+/// apply to the bind itself, not to mounts under it: a share that follows the host's mounts must
+/// be read-only in the VMM, which refuses every write to it).
 fn bind_into(root: &Path, bind: &Bind) -> Result<(), Error> {
     let target = under(root, &bind.path);
     if bind.create && !bind.path.exists() {
@@ -129,7 +138,21 @@ fn bind_into(root: &Path, bind: &Bind) -> Result<(), Error> {
             }
         }
     }
-    mount(Some(&bind.path), &target, None, libc::MS_BIND, None)?;
+    match bind.follow {
+        // A recursive bind of a slave is a slave of the same master: the host's mounts under
+        // the path, present and future, are seen here.
+        true => mount(
+            Some(&bind.path),
+            &target,
+            None,
+            libc::MS_BIND | libc::MS_REC,
+            None,
+        )?,
+        false => {
+            mount(Some(&bind.path), &target, None, libc::MS_BIND, None)?;
+            mount(None, &target, None, libc::MS_PRIVATE, None)?;
+        }
+    }
     let mut flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_NOSUID | libc::MS_NOEXEC;
     // A disk may be a block device, which a nodev mount would make unusable.
     let block_device = fs::metadata(&bind.path).is_ok_and(|m| m.file_type().is_block_device());
@@ -276,6 +299,7 @@ mod tests {
                 kind: Kind::File,
                 writable: false,
                 create,
+                follow: false,
             }],
         }
     }
