@@ -194,6 +194,13 @@ pub struct SandboxConfig {
     /// [`crate::snapshot`]); 0 (the default): none. At most [`crate::mounts::MAX_MOUNTS`]; a
     /// sandbox with slots has no mounts or workspace of its own.
     pub share_slots: u8,
+    /// Read-only mounts also serve the host's mounts under their directories, those there at
+    /// start and those mounted later (the jailed VMM gets a recursive slave bind; see
+    /// [`ShareConfig::follow_host_mounts`](bulkhead_vmm::config::ShareConfig::follow_host_mounts)).
+    /// The containerd shim shares a pod's container roots this way, each mounted after the VM
+    /// is up. Default `false`: a mount is its directory's own file system as it was at boot.
+    /// Not kept across a snapshot: a restore's mounts never follow.
+    pub follow_host_mounts: bool,
 }
 
 impl Default for SandboxConfig {
@@ -707,6 +714,11 @@ fn write_vm_config(
     path: &Path,
 ) -> Result<VmConfig, Error> {
     let mut shared = ws.shares_with(&config.mounts)?;
+    // The mounts' shares come first (then a workspace's).
+    let mounts = shared.shares.iter_mut().take(config.mounts.len());
+    for share in mounts.filter(|s| s.read_only) {
+        share.follow_host_mounts = config.follow_host_mounts;
+    }
     crate::snapshot::check_share_slots(config)?;
     let runtime = path.parent().unwrap_or(Path::new("."));
     shared
