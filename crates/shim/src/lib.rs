@@ -28,6 +28,7 @@
 pub mod backend;
 pub mod events;
 pub mod oci;
+pub mod pod_roots;
 pub mod rootfs;
 pub mod service;
 pub mod shim;

@@ -1,6 +1,7 @@
 //! A container's root file system on the host: the mounts containerd passes in
-//! `CreateTaskRequest.rootfs` (usually one `overlay` from its snapshotter) mounted on the
-//! bundle's `rootfs` directory, as containerd's runc shim does, and unmounted on delete.
+//! `CreateTaskRequest.rootfs` (usually one `overlay` from its snapshotter) mounted on a
+//! directory (the container's place in its pod's roots, [`crate::pod_roots`]), and unmounted on
+//! delete.
 //!
 //! Mount options follow `mount(8)`: the flag words (`ro`, `nosuid`, `nodev`, `noexec`,
 //! `rbind`, `bind`, ...) become `mount(2)` flags, everything else (`lowerdir=...`) its data.
@@ -18,6 +19,9 @@ pub enum RootfsError {
     /// A mount containerd passed is not one this shim mounts (a target below the root).
     #[error("rootfs mount {0:?}: only mounts of the root itself are supported")]
     Unsupported(String),
+    /// A container or pod id that is not one plain path component.
+    #[error("{0:?} is not a usable container or pod id (one path component of [A-Za-z0-9_.-])")]
+    BadId(String),
     /// A path or option holds a NUL byte.
     #[error("rootfs mount: {0:?} holds a NUL byte")]
     Nul(String),
@@ -76,15 +80,36 @@ fn mount_one(m: &Mount, target: &Path) -> Result<(), RootfsError> {
         return Err(RootfsError::Unsupported(m.target.clone()));
     }
     let (flags, data) = flags_and_data(&m.options);
+    sys_mount(
+        m.source.as_bytes(),
+        target.as_os_str().as_bytes(),
+        m.kind.as_bytes(),
+        flags,
+        data.as_bytes(),
+    )
+}
+
+/// `mount(2)` of `source` on `target` with `flags` alone (a bind, or a propagation change,
+/// for which `source` is ignored).
+///
+/// # Errors
+/// [`RootfsError`].
+pub fn mount_path(source: &Path, target: &Path, flags: libc::c_ulong) -> Result<(), RootfsError> {
+    let (source, target) = (source.as_os_str().as_bytes(), target.as_os_str().as_bytes());
+    sys_mount(source, target, b"none", flags, b"")
+}
+
+fn sys_mount(
+    source: &[u8],
+    target: &[u8],
+    kind: &[u8],
+    flags: libc::c_ulong,
+    data: &[u8],
+) -> Result<(), RootfsError> {
     let c = |s: &[u8]| {
         CString::new(s).map_err(|_| RootfsError::Nul(String::from_utf8_lossy(s).into_owned()))
     };
-    let (source, dir, kind, data) = (
-        c(m.source.as_bytes())?,
-        c(target.as_os_str().as_bytes())?,
-        c(m.kind.as_bytes())?,
-        c(data.as_bytes())?,
-    );
+    let (source, dir, kind, data) = (c(source)?, c(target)?, c(kind)?, c(data)?);
     let data_ptr = match data.as_bytes().is_empty() {
         true => std::ptr::null(),
         false => data.as_ptr().cast(),
@@ -102,7 +127,7 @@ fn mount_one(m: &Mount, target: &Path) -> Result<(), RootfsError> {
     if rc != 0 {
         return Err(RootfsError::Sys {
             what: "mount",
-            target: target.display().to_string(),
+            target: String::from_utf8_lossy(dir.as_bytes()).into_owned(),
             source: io::Error::last_os_error(),
         });
     }

@@ -5,8 +5,10 @@
 //!   the pod's ([`crate::pod_id`] of the bundle's annotations). The crate's `spawn` names the
 //!   shim's socket after that grouping, so the first container of a pod starts a shim process and
 //!   the others find its socket and answer its address.
-//! * `delete` is what containerd runs when a shim died without cleaning up: it reports the task
-//!   killed (status 137).
+//! * `delete` is what containerd runs when a shim died without cleaning up: it takes down the
+//!   container's root mount (and its pod's roots directory when it was the last,
+//!   [`crate::pod_roots::remove_stale`]) and reports the task killed (status 137). The dead
+//!   shim's VMMs stopped with it (they are started with a parent-death signal).
 //! * Otherwise the process serves the task API ([`TtrpcTask`]) until `Shutdown` finds no
 //!   container left, publishing events to containerd through [`RemoteSink`].
 
@@ -24,6 +26,7 @@ use containerd_shim_protos::ttrpc::context::Context;
 use tokio::sync::mpsc;
 
 use crate::events::{EventSink, TaskEvent};
+use crate::pod_roots::remove_stale;
 use crate::service::TaskService;
 use crate::ttrpc::{bundle_annotations, event_message, timestamp, TtrpcTask};
 use crate::vm::{SharedVmBackend, VmBackend};
@@ -67,6 +70,8 @@ impl EventSink for RemoteSink {
 pub struct BulkheadShim {
     exit: Arc<ExitSignal>,
     namespace: String,
+    id: String,
+    bundle: String,
 }
 
 impl std::fmt::Debug for BulkheadShim {
@@ -85,6 +90,8 @@ impl Shim for BulkheadShim {
         BulkheadShim {
             exit: Arc::new(ExitSignal::default()),
             namespace: args.namespace.clone(),
+            id: args.id.clone(),
+            bundle: args.bundle.clone(),
         }
     }
 
@@ -98,6 +105,13 @@ impl Shim for BulkheadShim {
     }
 
     async fn delete_shim(&mut self) -> Result<DeleteResponse, Error> {
+        let bundle = match self.bundle.is_empty() {
+            true => Path::new("."),
+            false => Path::new(&self.bundle),
+        };
+        let annotations = bundle_annotations(bundle).unwrap_or_default();
+        let pod = crate::pod_id(&self.id, &annotations);
+        remove_stale(&VmBackend::new(None).pods_dir(), pod, &self.id);
         Ok(DeleteResponse {
             exit_status: KILLED_STATUS,
             exited_at: timestamp(SystemTime::now()),

@@ -1,10 +1,12 @@
 //! The microVM backend: one bulkhead sandbox per pod, containers run in it by the agent's
 //! container execs.
 //!
-//! `create` reads the bundle's `config.json`, mounts containerd's rootfs mounts on the bundle's
-//! `rootfs` ([`crate::rootfs`]) and boots the pod's VM ([`bulkhead_sandbox::Sandbox`]) sized by
-//! the spec ([`oci::vm_size`]), with that directory shared into the guest read-only at
-//! [`GUEST_ROOTS`]`/<container id>`. `start` runs the OCI process there as a container exec
+//! `create` reads the bundle's `config.json` and mounts containerd's rootfs mounts in the pod's
+//! roots directory ([`crate::pod_roots`]); the pod's first container boots the pod's VM
+//! ([`bulkhead_sandbox::Sandbox`]) sized by its spec ([`oci::vm_size`]), with that directory
+//! shared into the guest read-only at [`GUEST_ROOTS`], following the host's mounts under it: each
+//! container's root is [`GUEST_ROOTS`]`/<container id>`, and a later container of the pod joins
+//! the running VM by a mount on the host. `start` runs the OCI process there as a container exec
 //! ([`oci::exec_request`]) and carries its stdio between containerd's FIFOs and the exec's
 //! stream on two threads; the exec's `Exit` becomes the process's exit. Execs join the init
 //! process's namespaces. `delete` of the pod's last container destroys the VM and unmounts.
@@ -13,8 +15,8 @@
 //! overlay; OCI `root.readonly` gives it the root read-only instead), so containerd's snapshot
 //! never changes.
 //!
-//! Not yet: a second container in a running pod (the VM's shares are fixed at boot; the share
-//! slots of templates are the way), resource updates and guest-side stats (Update is refused,
+//! The VM's size is the first container's (under Kubernetes, the pod sandbox's, whose spec has
+//! the pod's annotations). Not yet: resource updates and guest-side stats (Update is refused,
 //! Stats reports the VM's size).
 
 use std::collections::HashMap;
@@ -34,8 +36,9 @@ use tokio::sync::oneshot;
 use crate::backend::{
     Backend, BackendError, ContainerSpec, ExecProcess, Resources, StartSpec, Started, Stats,
 };
+use crate::oci;
+use crate::pod_roots::{PodRoots, PODS_DIR};
 use crate::state::{Exit, ProcessKey, Stdio};
-use crate::{oci, rootfs};
 
 /// Where each container's root is shared in the guest: `<GUEST_ROOTS>/<container id>`.
 pub const GUEST_ROOTS: &str = "/run/bulkhead/containers";
@@ -46,6 +49,7 @@ const LOST: u32 = 255;
 /// One pod's VM.
 struct Pod {
     sandbox: Sandbox,
+    roots: PodRoots,
     memory_mib: u32,
     /// How long a request to the pod's agent may wait for an answer: the boot timeout.
     patience: Duration,
@@ -59,8 +63,6 @@ pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// One container.
 struct Container {
     pod: String,
-    rootfs: PathBuf,
-    mounted: bool,
     guest_root: String,
     read_only_root: bool,
     process: Process,
@@ -72,6 +74,8 @@ struct Container {
 #[derive(Default)]
 pub struct VmBackend {
     base: Option<SandboxConfig>,
+    /// Held through a create: a pod's second container waits for its first one's VM.
+    creating: Mutex<()>,
     pods: Mutex<HashMap<String, Pod>>,
     containers: Mutex<HashMap<String, Container>>,
     running: Mutex<HashMap<ProcessKey, ExecWriter>>,
@@ -103,25 +107,45 @@ impl VmBackend {
         }
     }
 
-    fn boot(&self, spec: &Spec, rootfs: &Path, guest_root: &str) -> Result<Pod, BackendError> {
+    /// The configuration VMs start from (see [`VmBackend::new`]).
+    fn base_config(&self) -> SandboxConfig {
+        self.base.clone().unwrap_or_else(|| SandboxConfig {
+            ready_timeout: DEFAULT_BOOT_TIMEOUT,
+            ..SandboxConfig::default()
+        })
+    }
+
+    /// Where pods' roots directories are made: `<runtime dir>/pods`.
+    pub fn pods_dir(&self) -> PathBuf {
+        self.base_config().runtime_dir.join(PODS_DIR)
+    }
+
+    /// Boots the VM of a pod whose roots directory is `roots`, sized by its first container's
+    /// `spec`.
+    fn boot(&self, spec: &Spec, roots: PodRoots) -> Result<Pod, BackendError> {
         let size = oci::vm_size(spec);
         let config = SandboxConfig {
             memory_mib: size.memory_mib,
             vcpus: size.vcpus,
             mounts: vec![Share {
-                host: rootfs.to_owned(),
-                guest: PathBuf::from(guest_root),
+                host: roots.path().to_owned(),
+                guest: PathBuf::from(GUEST_ROOTS),
                 read_only: true,
             }],
+            follow_host_mounts: true,
             kill_on_parent_exit: true,
-            ..self.base.clone().unwrap_or_else(|| SandboxConfig {
-                ready_timeout: DEFAULT_BOOT_TIMEOUT,
-                ..SandboxConfig::default()
-            })
+            ..self.base_config()
         };
-        let sandbox = Sandbox::start(&config).map_err(failed)?;
+        let sandbox = match Sandbox::start(&config) {
+            Ok(sandbox) => sandbox,
+            Err(e) => {
+                let _ = roots.close();
+                return Err(failed(e));
+            }
+        };
         Ok(Pod {
             sandbox,
+            roots,
             memory_mib: size.memory_mib,
             // The first exec of a guest that has just come up on a loaded host can take far
             // longer than the client's default 10 s to start, as for `bulkhead run`.
@@ -130,12 +154,7 @@ impl VmBackend {
     }
 
     fn create_blocking(&self, spec: &ContainerSpec) -> Result<u32, BackendError> {
-        if lock(&self.pods).contains_key(&spec.pod) {
-            return Err(BackendError::Unimplemented(format!(
-                "pod {}: a second container in a running pod's microVM is not supported yet",
-                spec.pod
-            )));
-        }
+        let _one_at_a_time = lock(&self.creating);
         let bundle = Path::new(&spec.bundle);
         let oci_spec =
             oci::load(bundle).map_err(|e| BackendError::InvalidArgument(e.to_string()))?;
@@ -147,27 +166,34 @@ impl VmBackend {
             .root()
             .as_ref()
             .map_or(PathBuf::from("rootfs"), |r| r.path().clone());
-        let rootfs = bundle.join(root);
-        rootfs::mount_all(&spec.rootfs, &rootfs).map_err(failed)?;
-        let mounted = !spec.rootfs.is_empty();
-        let guest_root = format!("{GUEST_ROOTS}/{}", spec.id);
-        let pod = match self.boot(&oci_spec, &rootfs, &guest_root) {
-            Ok(pod) => pod,
-            Err(e) => {
-                if mounted {
-                    let _ = rootfs::unmount(&rootfs);
-                }
-                return Err(e);
+        let bundle_rootfs = bundle.join(root);
+        let running = lock(&self.pods).contains_key(&spec.pod);
+        if !running {
+            // The first container's root is mounted before the VM boots; later ones join it.
+            let roots = PodRoots::open(&self.pods_dir(), &spec.pod).map_err(failed)?;
+            if let Err(e) = roots.add(&spec.id, &spec.rootfs, &bundle_rootfs) {
+                let _ = roots.close();
+                return Err(failed(e));
             }
+            let pod = self.boot(&oci_spec, roots)?;
+            lock(&self.pods).insert(spec.pod.clone(), pod);
+        }
+        let (pid, client) = {
+            let pods = lock(&self.pods);
+            let pod = pods
+                .get(&spec.pod)
+                .ok_or_else(|| BackendError::NotFound(spec.pod.clone()))?;
+            if running {
+                pod.roots
+                    .add(&spec.id, &spec.rootfs, &bundle_rootfs)
+                    .map_err(failed)?;
+            }
+            let client = pod.sandbox.client().with_timeout(pod.patience);
+            (pod.sandbox.vmm_pid().unwrap_or(0), client)
         };
-        let pid = pod.sandbox.vmm_pid().unwrap_or(0);
-        let client = pod.sandbox.client().with_timeout(pod.patience);
-        lock(&self.pods).insert(spec.pod.clone(), pod);
         let container = Container {
             pod: spec.pod.clone(),
-            rootfs,
-            mounted,
-            guest_root,
+            guest_root: format!("{GUEST_ROOTS}/{}", spec.id),
             read_only_root: oci_spec
                 .root()
                 .as_ref()
@@ -245,17 +271,25 @@ impl VmBackend {
             };
             (c, containers.values().any(|other| other.pod == pod))
         };
-        let last = match pod_left {
-            true => None,
-            false => lock(&self.pods).remove(pod),
+        drop(c);
+        if pod_left {
+            let pods = lock(&self.pods);
+            return match pods.get(pod) {
+                Some(p) => p.roots.remove(container_id).map_err(failed),
+                None => Ok(()),
+            };
+        }
+        let Some(last) = lock(&self.pods).remove(pod) else {
+            return Ok(());
         };
-        let destroyed = last.map(|p| p.sandbox.destroy()).transpose();
-        let unmounted = match c.mounted {
-            true => rootfs::unmount(&c.rootfs).map_err(failed),
-            false => Ok(()),
-        };
+        // The VM goes first: its VMM holds the roots open.
+        let destroyed = last.sandbox.destroy();
+        let unmounted = last
+            .roots
+            .remove(container_id)
+            .and_then(|()| last.roots.close());
         destroyed.map_err(failed)?;
-        unmounted
+        unmounted.map_err(failed)
     }
 }
 
