@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # containerd runs a container in a bulkhead microVM: `ctr run --runtime io.containerd.bulkhead.v2`.
 #
-#   scripts/containerd-demo.sh [--bin DIR] [--work DIR] [--more] [-- CMD...]   (default CMD: uname -r)
+#   scripts/containerd-demo.sh [--bin DIR] [--work DIR] [--more] [--faults] [-- CMD...]
+#   (default CMD: uname -r)
 #
 # What it does, offline (no registry is reached):
 #   1. installs Debian's containerd when it is missing (apt-get; needs root);
@@ -14,8 +15,12 @@
 #   5. with --more: `ctr run -d` of a shell that traps SIGTERM, `ctr task exec` into it (its output
 #      and exit status), `ctr task kill` (SIGTERM: the task stops), and `ctr run --memory-limit`
 #      64 MiB (the guest's MemTotal), one line each on stdout (`exec: ...`, `kill: ...`,
-#      `memory: ...`);
-#   6. stops containerd and removes --work (default: a new temporary directory).
+#      `memory: ...`), then the resident memory of the detached task's shim and VMM (`rss: ...`);
+#   6. with --faults: kill -9 of a running task's VMM (the task exits with status 255, `ctr run`
+#      with it; its root is unmounted) and kill -9 of a running task's shim (containerd runs the
+#      shim's `delete`: the task goes, its VMM stops, its root is unmounted), one line each on
+#      stdout (`vmm-kill: ...`, `shim-kill: ...`);
+#   7. stops containerd and removes --work (default: a new temporary directory).
 #
 # The microVM needs a KVM that boots stock guests; on a kvm_pvm host run the script in the nested
 # test host (docs/testhost.md), which has busybox but not containerd or bash, e.g.:
@@ -32,14 +37,16 @@ WORK=""
 IMAGE="docker.io/bulkhead/busybox:demo"
 CMD=(uname -r)
 MORE=0
+FAULTS=0
 
 while (($#)); do
     case "$1" in
         --bin) BIN="$2"; shift 2 ;;
         --work) WORK="$2"; shift 2 ;;
         --more) MORE=1; shift ;;
+        --faults) FAULTS=1; shift ;;
         --) shift; CMD=("$@"); break ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
         *) echo "containerd-demo: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -149,17 +156,86 @@ if ((status != 0)); then
     tail -20 "$WORK/containerd.log" >&2
     exit "$status"
 fi
-((MORE)) || exit 0
-
-# --- 5. exec, kill, a memory limit ---
 task_status() { ctr -a "$SOCK" task ls | awk -v id="$1" '$1 == id { print $3 }'; }
-wait_status() { # ID STATUS: up to 60 s
+wait_status() { # ID STATUS: up to 60 s ("" waits for the task to be gone)
     for _ in $(seq 1 300); do
         [[ "$(task_status "$1")" == "$2" ]] && return 0
         sleep 0.2
     done
     return 1
 }
+# The shim process serving container ID (by /proc: the test host's busybox has no pgrep).
+shim_pid() {
+    local p
+    for p in /proc/[0-9]*; do
+        if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -- "containerd-shim-bulkhead-v2 .*-id $1 "; then
+            echo "${p#/proc/}"
+            return 0
+        fi
+    done
+}
+# The VMM of the pod whose shim serves container ID: the shim's bulkhead-vmm child (when jailed,
+# its supervisor). `ctr task ls` shows the container process's pid in the guest, not this.
+vmm_pid() {
+    local shim p comm ppid
+    shim="$(shim_pid "$1")"
+    [[ -n "$shim" ]] || return 0
+    for p in /proc/[0-9]*; do
+        # /proc/PID/stat: pid (comm) state ppid ...
+        read -r _ comm _ ppid _ <"$p/stat" 2>/dev/null || continue
+        if [[ "$comm" == "(bulkhead-vmm)" && "$ppid" == "$shim" ]]; then
+            echo "${p#/proc/}"
+            return 0
+        fi
+    done
+}
+# Mounts of container ID's root (the shim's pod roots, <runtime dir>/pods/<pod>/<ID>).
+root_mounts() { grep -c "/pods/$1" /proc/mounts || true; }
+
+if ((FAULTS)); then
+    # --- 6. faults ---
+    log "kill -9 of a running task's VMM"
+    # `ctr run` (attached) exits with the task's status, then deletes it (--rm).
+    ctr -a "$SOCK" run --rm "${RUNTIME[@]}" "$IMAGE" vmmkill sleep 1000 &
+    ctr_pid=$!
+    wait_status vmmkill RUNNING || die "the task did not run: $(task_status vmmkill)"
+    vmm="$(vmm_pid vmmkill)"
+    [[ -n "$vmm" ]] || die "no VMM for vmmkill"
+    kill -9 "$vmm"
+    set +e
+    wait "$ctr_pid"
+    status=$?
+    set -e
+    echo "vmm-kill: status=$status mounts=$(root_mounts vmmkill)"
+
+    log "kill -9 of a running task's shim"
+    ctr -a "$SOCK" run -d "${RUNTIME[@]}" "$IMAGE" shimkill sleep 1000
+    wait_status shimkill RUNNING || die "the task did not run: $(task_status shimkill)"
+    vmm="$(vmm_pid shimkill)"
+    shim="$(shim_pid shimkill)"
+    [[ -n "$vmm" ]] || die "no VMM for shimkill"
+    [[ -n "$shim" ]] || die "no shim process for shimkill"
+    kill -9 "$shim"
+    # containerd sees the shim's connection close and runs `containerd-shim-bulkhead-v2 delete`.
+    gone=""
+    for _ in $(seq 1 300); do
+        state="$(task_status shimkill)"
+        if [[ "$state" != RUNNING ]] && ! kill -0 "$vmm" 2>/dev/null \
+            && (($(root_mounts shimkill) == 0)); then
+            gone=1
+            break
+        fi
+        sleep 0.2
+    done
+    vmm_alive=0
+    kill -0 "$vmm" 2>/dev/null && vmm_alive=1
+    echo "shim-kill: task=${state:-gone} vmm_alive=$vmm_alive mounts=$(root_mounts shimkill)${gone:+ clean}"
+    ctr -a "$SOCK" task delete shimkill >/dev/null 2>&1 || true
+    ctr -a "$SOCK" container delete shimkill >/dev/null 2>&1 || true
+fi
+((MORE)) || exit 0
+
+# --- 5. exec, kill, a memory limit ---
 log "ctr run -d: a shell that traps SIGTERM"
 ctr -a "$SOCK" run -d "${RUNTIME[@]}" "$IMAGE" more \
     sh -c 'trap "exit 143" TERM; touch /trapped; while :; do sleep 1; done'
@@ -169,6 +245,12 @@ for n in $(seq 1 60); do
     ctr -a "$SOCK" task exec --exec-id "probe$n" more test -f /trapped 2>/dev/null && break
     sleep 0.5
 done
+# Host memory of the pod beside its guest RAM: the shim's and the VMM's resident set (the VMM's
+# includes the guest pages touched so far), printed last.
+rss_of() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo "?"; }
+shim="$(shim_pid more)"
+vmm="$(vmm_pid more)"
+rss="rss: shim=$(rss_of "${shim:-0}") vmm=$(rss_of "${vmm:-0}") (KiB)"
 log "ctr task exec"
 set +e
 out="$(ctr -a "$SOCK" task exec --exec-id e1 more sh -c 'echo in-exec pid=$$; exit 4')"
@@ -184,3 +266,4 @@ log "ctr run --memory-limit 64 MiB"
 mem="$(ctr -a "$SOCK" run --rm "${RUNTIME[@]}" --memory-limit $((64 << 20)) "$IMAGE" mem \
     grep MemTotal /proc/meminfo)"
 echo "memory: $mem"
+echo "$rss"

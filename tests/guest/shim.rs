@@ -170,6 +170,101 @@ guest_test!(
     }
 );
 
+fn container(id: &str, pod: &str, bundle: &Path, stdio: &Stdio) -> ContainerSpec {
+    ContainerSpec {
+        id: id.into(),
+        pod: pod.into(),
+        bundle: bundle.to_str().unwrap().into(),
+        rootfs: Vec::new(),
+        stdio: stdio.clone(),
+        annotations: Default::default(),
+    }
+}
+
+fn init(id: &str, stdio: &Stdio) -> StartSpec {
+    StartSpec {
+        key: ProcessKey::init(id),
+        stdio: stdio.clone(),
+        exec: None,
+        stdin_closed: false,
+    }
+}
+
+fn say(fifo: &str, line: &str) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(fifo)
+        .unwrap()
+        .write_all(line.as_bytes())
+        .unwrap();
+}
+
+guest_test!(
+    fn a_second_container_of_a_pod_joins_the_running_microvm_with_its_own_root() {
+        // Arrange: two bundles of one pod, each rootfs with its own marker.
+        let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let script = "cat /marker; cat /proc/sys/kernel/random/boot_id; read go; echo $go";
+        bundle(first.path(), script);
+        bundle(second.path(), script);
+        std::fs::write(second.path().join("rootfs/marker"), "second\n").unwrap();
+        let (io1, io2) = (
+            stdio(first.path(), "c1", true),
+            stdio(second.path(), "c2", true),
+        );
+        let (out1, out2) = (drain(io1.stdout.clone()), drain(io2.stdout.clone()));
+        let _err = (drain(io1.stderr.clone()), drain(io2.stderr.clone()));
+        let config = sandbox_config();
+        let pod_dir = config.runtime_dir.join("pods/p1");
+        let backend = SharedVmBackend(Arc::new(VmBackend::new(Some(config))));
+        let rt = tokio::runtime::Runtime::new().unwrap();
+
+        // Act
+        let (vmm1, vmm2, status1, status2, pod_dir_while_one_ran) = rt.block_on(async {
+            let vmm1 = backend
+                .create(&container("c1", "p1", first.path(), &io1))
+                .await
+                .unwrap();
+            let started1 = backend.start(&init("c1", &io1)).await.unwrap();
+            let vmm2 = backend
+                .create(&container("c2", "p1", second.path(), &io2))
+                .await
+                .unwrap();
+            let started2 = backend.start(&init("c2", &io2)).await.unwrap();
+            say(&io2.stdin, "two\n");
+            let status2 = started2.exit.await.unwrap().status;
+            backend.delete("c2", "p1").await.unwrap();
+            let left = std::fs::read_dir(&pod_dir)
+                .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>());
+            say(&io1.stdin, "one\n");
+            let status1 = started1.exit.await.unwrap().status;
+            backend.delete("c1", "p1").await.unwrap();
+            (vmm1, vmm2, status1, status2, left)
+        });
+
+        // Assert
+        let (out1, out2) = (out1.join().unwrap(), out2.join().unwrap());
+        let (lines1, lines2): (Vec<&str>, Vec<&str>) =
+            (out1.lines().collect(), out2.lines().collect());
+        assert_eq!(vmm1, vmm2, "one VMM for the pod");
+        assert_eq!(lines1.len(), 3, "{out1}");
+        assert_eq!(lines2.len(), 3, "{out2}");
+        assert_eq!(
+            (lines1[0], lines2[0]),
+            ("from the bundle", "second"),
+            "each container's own root"
+        );
+        assert_eq!(lines1[1], lines2[1], "one guest kernel (boot id) for both");
+        assert_eq!((lines1[2], lines2[2]), ("one", "two"));
+        assert_eq!((status1, status2), (0, 0));
+        let left = pod_dir_while_one_ran.unwrap();
+        assert_eq!(left, ["c1"], "the second container's root is gone with it");
+        assert!(
+            !pod_dir.exists(),
+            "the pod's roots go with its last container"
+        );
+    }
+);
+
 /// `scripts/containerd-demo.sh FLAGS -- CMD` in the test host: containerd, an offline image, and
 /// `ctr run --runtime io.containerd.bulkhead.v2`, with this build's shim, VMM, kernel and agent.
 fn ctr_run(flags: &[&str], cmd: &[&str]) -> std::process::Output {
@@ -248,6 +343,42 @@ guest_test!(
             "bye\n",
             "{}",
             shown(&failing)
+        );
+    }
+);
+
+guest_test!(
+    fn a_killed_vmm_fails_its_task_and_a_killed_shim_leaves_no_vmm_and_no_mount() {
+        // Act
+        let run = ctr_run(&["--faults"], &["true"]);
+
+        // Assert
+        let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+        let shown = format!(
+            "{:?}\n--- stdout\n{stdout}\n--- stderr\n{}",
+            run.status,
+            String::from_utf8_lossy(&run.stderr)
+        );
+        assert!(run.status.success(), "{shown}");
+        let line = |prefix: &str| {
+            stdout
+                .lines()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no {prefix} line: {shown}"))
+                .to_owned()
+        };
+        // kill -9 of the VMM: the task exits with 255 (the VM is lost), its root is unmounted.
+        assert_eq!(
+            line("vmm-kill:"),
+            "vmm-kill: status=255 mounts=0",
+            "{shown}"
+        );
+        // kill -9 of the shim: containerd's `delete` of the dead shim's task unmounts its root,
+        // and the VMM stops with its shim.
+        let shim = line("shim-kill:");
+        assert!(
+            shim.ends_with("vmm_alive=0 mounts=0 clean") && !shim.contains("task=RUNNING"),
+            "{shown}"
         );
     }
 );
