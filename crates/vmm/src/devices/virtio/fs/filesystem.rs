@@ -60,6 +60,7 @@ impl ShareFs {
     /// does; used when the driver resets the device. Ends the FUSE session.
     pub fn forget_all(&self) {
         self.set_session(false);
+        self.forget_handle(None);
         let destroyed = self.run_creating(|fs, _| {
             fs.destroy();
             Ok(())
@@ -219,8 +220,14 @@ impl FileSystem for ShareFs {
         if opens_for_writing(flags) {
             self.writable()?;
         }
+        // A kernel never sends O_PATH in FUSE_OPEN (it opens O_PATH files itself).
+        if flags & libc::O_PATH as u32 != 0 {
+            return Err(errno(libc::EINVAL));
+        }
         let flags = without_noatime(flags);
-        self.run(|fs, ctx| fs.open(ctx, inode, flags, fuse_flags))
+        let opened = self.run(|fs, ctx| fs.open(ctx, inode, flags, fuse_flags))?;
+        self.record_handle(opened.0, flags);
+        Ok(opened)
     }
 
     fn create(
@@ -232,7 +239,13 @@ impl FileSystem for ShareFs {
     ) -> io::Result<(Entry, Option<u64>, OpenOptions, Option<u32>)> {
         self.writable()?;
         check_name(name)?;
-        self.run_creating(|fs, ctx| fs.create(ctx, parent, name, args))
+        if args.flags & libc::O_PATH as u32 != 0 {
+            return Err(errno(libc::EINVAL));
+        }
+        let flags = args.flags;
+        let created = self.run_creating(|fs, ctx| fs.create(ctx, parent, name, args))?;
+        self.record_handle(created.1, flags);
+        Ok(created)
     }
 
     fn read(
@@ -246,7 +259,7 @@ impl FileSystem for ShareFs {
         lock_owner: Option<u64>,
         flags: u32,
     ) -> io::Result<usize> {
-        let flags = without_noatime(flags);
+        let flags = self.io_flags(handle, without_noatime(flags));
         self.run(|fs, ctx| fs.read(ctx, inode, handle, w, size, offset, lock_owner, flags))
     }
 
@@ -264,7 +277,7 @@ impl FileSystem for ShareFs {
         fuse_flags: u32,
     ) -> io::Result<usize> {
         self.writable()?;
-        let flags = without_noatime(flags);
+        let flags = self.io_flags(handle, without_noatime(flags));
         self.run(|fs, ctx| {
             fs.write(
                 ctx,
@@ -312,6 +325,7 @@ impl FileSystem for ShareFs {
         flock_release: bool,
         lock_owner: Option<u64>,
     ) -> io::Result<()> {
+        self.forget_handle(Some(handle));
         self.run(|fs, ctx| fs.release(ctx, inode, flags, handle, flush, flock_release, lock_owner))
     }
 

@@ -8,6 +8,7 @@
 //! can send at will — from `/proc/self/fd/<that fd>/.`, never from the host path, so renaming or
 //! replacing the path afterwards (even through another share) cannot move the root elsewhere.
 
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::fs::File;
 use std::io;
@@ -15,6 +16,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use fuse_backend_rs::api::filesystem::Context;
 use fuse_backend_rs::passthrough::{CachePolicy, Config, PassthroughFs};
@@ -33,6 +35,9 @@ pub struct ShareFs {
     _root: File,
     /// A FUSE session is live: FUSE_INIT succeeded and no FUSE_DESTROY (or device reset) ended it.
     session: AtomicBool,
+    /// The open flags of each file handle the guest holds, as given to the passthrough file
+    /// system at open or create ([`ShareFs::io_flags`]).
+    handle_flags: Mutex<HashMap<u64, u32>>,
 }
 
 impl std::fmt::Debug for ShareFs {
@@ -89,6 +94,7 @@ impl ShareFs {
             path: shared_dir.to_owned(),
             _root: root,
             session: AtomicBool::new(false),
+            handle_flags: Mutex::new(HashMap::new()),
         })
     }
 
@@ -116,6 +122,40 @@ impl ShareFs {
     /// The shared directory as it was given.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Records the open flags of a new file handle (FUSE_OPEN, FUSE_CREATE).
+    pub(super) fn record_handle(&self, handle: Option<u64>, flags: u32) {
+        if let Some(handle) = handle {
+            self.handles().insert(handle, flags);
+        }
+    }
+
+    /// Forgets a released handle (`None`: every handle, as FUSE_DESTROY or a reset drops them).
+    pub(super) fn forget_handle(&self, handle: Option<u64>) {
+        match handle {
+            Some(handle) => {
+                self.handles().remove(&handle);
+            }
+            None => self.handles().clear(),
+        }
+    }
+
+    /// The flags a FUSE_READ or FUSE_WRITE on `handle` is delegated with: the handle's own open
+    /// flags, whatever the guest sent (`requested`, used only for a handle this share did not
+    /// open, which the passthrough then refuses with `EBADF`). fuse-backend-rs 0.14's
+    /// passthrough `read`/`write` call `fcntl(F_SETFL)` on the handle's descriptor when the
+    /// request's flags differ from its open flags, and when that call fails they drop a `File`
+    /// made from the borrowed descriptor, closing it: the descriptor is closed again when the
+    /// handle is released, by then perhaps another file's (fuzzing found it: an open with
+    /// `O_PATH`, then a read). Passing the open flags keeps that path from running, so the host
+    /// descriptor's flags never change after the open either.
+    pub(super) fn io_flags(&self, handle: u64, requested: u32) -> u32 {
+        self.handles().get(&handle).copied().unwrap_or(requested)
+    }
+
+    fn handles(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u32>> {
+        self.handle_flags.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The passthrough file system the policy delegates to.

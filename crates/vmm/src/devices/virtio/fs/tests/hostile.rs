@@ -264,3 +264,36 @@ fn forget_with_a_truncated_body_is_dropped_silently() {
     assert_eq!(used.len, 0);
     assert_queue_still_works(&mut h);
 }
+
+#[test]
+fn an_o_path_open_is_refused_and_reads_with_other_flags_leave_the_handle_working() {
+    // Arrange
+    let mut h = Harness::new(false);
+    let node = h.lookup(ROOT_ID, "file").decode::<EntryOut>().nodeid;
+    let fh = h.open(node, libc::O_RDONLY).unwrap();
+    // Flags a guest may send with a read that `fcntl(F_SETFL)` would act on or refuse.
+    let odd_flags = (libc::O_DIRECT | libc::O_NONBLOCK | libc::O_APPEND | libc::O_PATH) as u32;
+    let odd_read = ReadIn {
+        flags: odd_flags,
+        ..read_in(fh, 0, 4096)
+    };
+
+    // Act
+    let o_path = h.open(node, libc::O_PATH);
+    let first = h.call(Opcode::Read, node, odd_read.as_slice(), 16 + 4096);
+    let second = h.call(
+        Opcode::Read,
+        node,
+        read_in(fh, 0, 4096).as_slice(),
+        16 + 4096,
+    );
+
+    // Assert
+    assert_eq!(o_path, Err(-libc::EINVAL));
+    assert_eq!(first.header.error, 0);
+    assert_eq!(first.body, FILE_CONTENTS);
+    assert_eq!(
+        second.body, FILE_CONTENTS,
+        "the handle's descriptor still reads"
+    );
+}
