@@ -17,6 +17,11 @@ impl Conn {
         Self { fd }
     }
 
+    /// The socket itself, for a connection that stops being framed (ingress).
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     /// Receives up to `buf.len()` bytes without blocking; `WouldBlock` when none are there,
     /// `Ok(0)` at end of stream.
     pub fn recv_nonblocking(&self, buf: &mut [u8]) -> io::Result<usize> {

@@ -12,7 +12,7 @@
 //! one more is closed at once.
 
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -27,9 +27,6 @@ use crate::{log, vsock};
 
 /// Most connections relayed at once.
 pub const MAX_RELAYS: usize = 256;
-
-/// Bytes copied per read.
-const CHUNK: usize = 64 * 1024;
 
 /// Stack of each relay thread: they only copy through a heap buffer.
 const THREAD_STACK: usize = 64 * 1024;
@@ -112,61 +109,21 @@ fn relay(client: TcpStream, upstream: &Upstream) -> io::Result<()> {
             return Err(e);
         }
     };
-    let (client_in, host_out) = (client.try_clone()?, host.try_clone()?);
-    let up = thread::Builder::new()
-        .name("egress-up".into())
-        .stack_size(THREAD_STACK)
-        .spawn(move || {
-            let mut host_out = host_out;
-            let copied = copy(client_in, &mut host_out);
-            shutdown_write(&host_out);
-            copied
-        })?;
-    let mut client_out = client;
-    let down = copy(host, &mut client_out);
-    let _ = client_out.shutdown(Shutdown::Write);
-    let up = up
-        .join()
-        .unwrap_or_else(|_| Err(io::Error::other("relay thread panicked")));
-    down.and(up).map(drop)
+    pump(client, host)
 }
 
-/// Copies `from` into `to` until end of file; a peer that went away ends the copy quietly.
-fn copy(mut from: impl Read, to: &mut impl Write) -> io::Result<u64> {
-    let mut buf = vec![0u8; CHUNK];
-    let mut total = 0u64;
-    loop {
-        let n = match from.read(&mut buf) {
-            Ok(0) => return Ok(total),
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) if gone(&e) => return Ok(total),
-            Err(e) => return Err(e),
-        };
-        match to.write_all(&buf[..n]) {
-            Ok(()) => total += n as u64,
-            Err(e) if gone(&e) => return Ok(total),
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-/// Whether `e` means the other side closed its end.
-fn gone(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected
-    )
-}
-
-/// `shutdown(SHUT_WR)` on a socket held as a file (the vsock or Unix stream to the host).
-fn shutdown_write(socket: &File) {
-    // SAFETY: shutdown(2) on a descriptor we own; a failure only means it is closed already.
-    unsafe { libc::shutdown(socket.as_raw_fd(), libc::SHUT_WR) };
+/// Copies both ways between the guest TCP connection `client` and the host connection `host`
+/// (vsock or Unix stream) until both directions ended ([`bulkhead_protocol::relay::pump`]).
+/// Used by the egress relay and by ingress ([`crate::ingress`]).
+///
+/// # Errors
+/// A read or write error other than the peer going away.
+pub fn pump(client: TcpStream, host: File) -> io::Result<()> {
+    bulkhead_protocol::relay::pump(OwnedFd::from(client), OwnedFd::from(host))
 }
 
 /// Brings the loopback interface (`lo`) up, so `127.0.0.1` can be bound: a guest without a
-/// network configuration starts with every interface down.
+/// network configuration starts with every interface down. Nothing is changed when it is up.
 ///
 /// # Errors
 /// The OS error of the `SIOCGIFFLAGS`/`SIOCSIFFLAGS` ioctls (netdevice(7)).
@@ -186,6 +143,10 @@ pub fn loopback_up() -> io::Result<()> {
     // SAFETY: `req` is a valid ifreq naming "lo"; the kernel fills in its flags.
     if unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCGIFFLAGS as _, &mut req) } != 0 {
         return Err(io::Error::last_os_error());
+    }
+    // SAFETY: reading the flags member of the union the kernel just filled.
+    if unsafe { req.ifr_ifru.ifru_flags } & libc::IFF_UP as libc::c_short != 0 {
+        return Ok(());
     }
     // SAFETY: reading and writing the flags member of the union the kernel just filled.
     unsafe { req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };

@@ -27,6 +27,7 @@ pub mod egress;
 pub mod exec;
 pub mod files;
 pub mod fsops;
+pub mod ingress;
 pub mod init;
 pub mod log;
 pub mod mounts;

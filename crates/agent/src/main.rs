@@ -137,10 +137,16 @@ fn run_pid1(started: BootTimestamps) -> ! {
         log!("{e}; rebooting");
         init::reboot();
     }
+    // The loopback interface is up in every guest: its servers can bind 127.0.0.1, which is
+    // where ingress (`Connect`) reaches them. No route leads anywhere else.
+    let loopback = egress::loopback_up();
+    if let Err(e) = &loopback {
+        log!("bringing lo up: {e}");
+    }
     if params.egress {
         // After the reaper: the relay's threads inherit the blocked SIGCHLD, so they never take
         // the signal the reaper waits for. No command runs without the promised network.
-        egress::loopback_up().unwrap_or_else(|e| fatal("egress: loopback", &e));
+        loopback.unwrap_or_else(|e| fatal("egress: loopback", &e));
         egress::start(egress::guest_address(), egress::Upstream::Vsock)
             .unwrap_or_else(|e| fatal("egress: listen on 127.0.0.1:3128", &e));
     }

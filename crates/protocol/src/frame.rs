@@ -21,8 +21,8 @@ use serde::Serialize;
 
 use crate::fsops::{ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FsRequest};
 use crate::messages::{
-    Ack, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest, FileWriteRequest,
-    Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started, WindowSize,
+    Ack, ConnectRequest, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest,
+    FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started, WindowSize,
 };
 use crate::workspace::{ChangeRecord, ChangesEnd, WorkspaceChangesRequest};
 use crate::MAX_FRAME;
@@ -100,6 +100,8 @@ pub enum FrameType {
     ArchiveRead = 0x09,
     /// Host → guest, JSON [`FsRequest`] (list, stat, mkdir, remove).
     Fs = 0x0a,
+    /// Host → guest, JSON [`ConnectRequest`]; after its `Ack` the connection carries raw bytes.
+    Connect = 0x0b,
     /// Guest → host, JSON [`Started`].
     Started = 0x10,
     /// Host → guest, raw bytes for the command's stdin.
@@ -135,7 +137,7 @@ pub enum FrameType {
 }
 
 impl FrameType {
-    const ALL: [FrameType; 26] = [
+    const ALL: [FrameType; 27] = [
         Self::Ready,
         Self::Exec,
         Self::FileWrite,
@@ -146,6 +148,7 @@ impl FrameType {
         Self::ArchiveWrite,
         Self::ArchiveRead,
         Self::Fs,
+        Self::Connect,
         Self::Started,
         Self::Stdin,
         Self::StdinEof,
@@ -209,6 +212,8 @@ pub enum Frame {
     ArchiveRead(ArchiveReadRequest),
     /// See [`FrameType::Fs`].
     Fs(FsRequest),
+    /// See [`FrameType::Connect`].
+    Connect(ConnectRequest),
     /// See [`FrameType::Started`].
     Started(Started),
     /// See [`FrameType::Stdin`].
@@ -262,6 +267,7 @@ impl Frame {
             Self::ArchiveWrite(_) => FrameType::ArchiveWrite,
             Self::ArchiveRead(_) => FrameType::ArchiveRead,
             Self::Fs(_) => FrameType::Fs,
+            Self::Connect(_) => FrameType::Connect,
             Self::Started(_) => FrameType::Started,
             Self::Stdin(_) => FrameType::Stdin,
             Self::StdinEof => FrameType::StdinEof,
@@ -298,6 +304,7 @@ impl Frame {
             Self::ArchiveWrite(m) => encode_json(FrameType::ArchiveWrite, m, out),
             Self::ArchiveRead(m) => encode_json(FrameType::ArchiveRead, m, out),
             Self::Fs(m) => encode_json(FrameType::Fs, m, out),
+            Self::Connect(m) => encode_json(FrameType::Connect, m, out),
             Self::FileEntry(m) => encode_json(FrameType::FileEntry, m, out),
             Self::ArchiveDone(m) => encode_json(FrameType::ArchiveDone, m, out),
             Self::Started(m) => encode_json(FrameType::Started, m, out),
@@ -343,6 +350,7 @@ impl Frame {
             FrameType::ArchiveWrite => Self::ArchiveWrite(json(kind, &payload)?),
             FrameType::ArchiveRead => Self::ArchiveRead(json(kind, &payload)?),
             FrameType::Fs => Self::Fs(json(kind, &payload)?),
+            FrameType::Connect => Self::Connect(json(kind, &payload)?),
             FrameType::FileEntry => Self::FileEntry(json(kind, &payload)?),
             FrameType::ArchiveDone => Self::ArchiveDone(json(kind, &payload)?),
             FrameType::Started => Self::Started(json(kind, &payload)?),

@@ -31,6 +31,7 @@ pub mod container;
 pub mod frame;
 pub mod fsops;
 pub mod messages;
+pub mod relay;
 pub mod workspace;
 
 pub use bytes::ByteString;
@@ -40,9 +41,9 @@ pub use fsops::{
     ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FileType, FsOp, FsRequest,
 };
 pub use messages::{
-    Ack, BootTimestamps, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest,
-    FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started, WindowSize,
-    MAX_RESTORE_ENTROPY, MIN_RESTORE_ENTROPY,
+    Ack, BootTimestamps, ConnectRequest, ErrorCode, ErrorMessage, ExecRequest, ExitStatus,
+    FileReadRequest, FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest,
+    Started, WindowSize, MAX_RESTORE_ENTROPY, MIN_RESTORE_ENTROPY,
 };
 pub use workspace::{
     ChangeRecord, ChangeStatus, ChangesEnd, EntryKind, SkippedEntry, WorkspaceChangesRequest,

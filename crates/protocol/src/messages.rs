@@ -383,7 +383,18 @@ mod hex_bytes {
     }
 }
 
-/// Positive answer to a file write, a shutdown or a restore.
+/// Host → guest: connect to TCP `port` on the guest's `127.0.0.1` and carry the connection
+/// (ingress: a host-side listener forwarding to a server in the guest). The agent answers
+/// [`Ack`] once connected, or an error (`NotFound` when nothing listens on the port); after the
+/// `Ack` the vsock connection is no longer framed: its bytes are the TCP connection's, both ways,
+/// each direction ending with a shutdown of its write side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectRequest {
+    /// TCP port on the guest's loopback interface, 1-65535.
+    pub port: u16,
+}
+
+/// Positive answer to a file write, a shutdown, a restore or a connect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ack {
     /// Bytes written, for a file write; 0 otherwise.

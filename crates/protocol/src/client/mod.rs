@@ -31,7 +31,8 @@ pub use workspace::{ChangeEvent, ChangeStream, CHANGES_READ_TIMEOUT};
 
 use crate::frame::{encode_raw, read_frame, write_frame, Frame, FrameError, FrameType};
 use crate::messages::{
-    ErrorMessage, ExecRequest, FileReadRequest, FileWriteRequest, RestoredRequest, ShutdownRequest,
+    ConnectRequest, ErrorMessage, ExecRequest, FileReadRequest, FileWriteRequest, RestoredRequest,
+    ShutdownRequest,
 };
 use crate::{AGENT_PORT, DATA_CHUNK, PROTOCOL_VERSION};
 
@@ -180,6 +181,31 @@ impl AgentClient {
         };
         stream.set_read_timeout(Some(self.timeout))?;
         stream.set_write_timeout(Some(self.timeout))?;
+        Ok(stream)
+    }
+
+    /// Connects to TCP `port` on the guest's `127.0.0.1` (ingress, [`ConnectRequest`]) and
+    /// returns the stream once the agent is connected: from then on its bytes are the TCP
+    /// connection's, both ways (shut down its write side to end the host → guest direction; the
+    /// guest's end shows as end of file). The stream has no timeouts. Nothing listening on the
+    /// port is [`ClientError::Agent`] with [`ErrorCode::NotFound`](crate::ErrorCode::NotFound).
+    pub fn connect_tcp(&self, port: u16) -> Result<UnixStream, ClientError> {
+        let mut stream = self.connect()?;
+        let request = Frame::Connect(ConnectRequest { port });
+        write_frame(&mut stream, &request).map_err(classify)?;
+        match read_frame(&mut stream).map_err(classify)? {
+            Some(Frame::Ack(_)) => {}
+            Some(Frame::Error(e)) => return Err(ClientError::Agent(e)),
+            Some(other) => {
+                return Err(ClientError::Unexpected {
+                    expected: "Ack or Error",
+                    got: other.kind(),
+                })
+            }
+            None => return Err(ClientError::Closed("answering a connect")),
+        }
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
         Ok(stream)
     }
 
