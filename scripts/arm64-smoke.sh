@@ -57,6 +57,8 @@
 #                            guest fetches a file from busybox httpd on the emulated host's
 #                            127.0.0.1:8080 through the agent's relay and the host's egress proxy,
 #                            gets the proxy's 403 for port 8081, and the log has both decisions
+#   run-publish              -p 18080:8000: busybox httpd in the guest, its page fetched with
+#                            busybox wget from the emulated host's 127.0.0.1:18080 (ingress)
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
 # printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
@@ -220,7 +222,7 @@ HOST_SETUP
 # check_console fails unless each printed an ok line.
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-tty run-10mib run-disk run-virtiofs-read
-    run-virtiofs-write run-egress template-clone clone-distinct clone-clock)
+    run-virtiofs-write run-egress run-publish template-clone clone-distinct clone-clock)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -422,6 +424,33 @@ if [ "$status" = 0 ] && grep -qx 'got: bulkhead-egress-ok' /tmp/run-egress.out &
 else
     fail run-egress "status $status" /tmp/run-egress.out /tmp/run-egress.err /tmp/egress.jsonl \
         /tmp/run-egress.console
+fi
+
+# Ingress: `-p 18080:8000` publishes busybox httpd in the guest on the emulated host's port
+# 18080 (each connection an agent Connect over vsock); busybox wget on the host fetches its page.
+brun run-publish -p 18080:8000 -- sh -c \
+    'echo bulkhead-ingress-ok >/tmp/index.html; exec httpd -f -p 8000 -h /tmp' &
+publish_run=$!
+page=""
+tries=0
+while [ -z "$page" ] && [ "$tries" -lt $((VMM_TIMEOUT * 2)) ]; do
+    page=$(wget -q -T 10 -O - http://127.0.0.1:18080/index.html 2>/dev/null)
+    [ -n "$page" ] || sleep 0.5
+    tries=$((tries + 1))
+done
+# The run's `bulkhead` is below the background job (timeout's child): SIGTERM it by its command
+# line (busybox has no pkill here).
+for p in /proc/[0-9]*; do
+    case "$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" in
+    "/bin/bulkhead run "*"-p 18080:8000 "*) kill -TERM "${p#/proc/}" ;;
+    esac
+done
+wait "$publish_run" 2>/dev/null
+if [ "$page" = bulkhead-ingress-ok ]; then
+    ok run-publish "the guest's httpd page fetched from the host's 127.0.0.1:18080"
+else
+    fail run-publish "page [$page]" /tmp/run-publish.out /tmp/run-publish.err \
+        /tmp/run-publish.console
 fi
 
 # Snapshots (issue 29): a 2-vCPU template whose preparation wrote /tmp/x (snapshot of vCPUs,

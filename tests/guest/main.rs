@@ -10,6 +10,7 @@ mod fs;
 mod fs_many;
 mod images;
 mod jail;
+mod publish;
 mod run;
 mod run_export;
 mod sandbox_api;

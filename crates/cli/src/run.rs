@@ -28,6 +28,7 @@ use output::{forward_stdin, write_out};
 pub(crate) mod closed_stdio;
 pub(crate) mod limits;
 pub(crate) mod output;
+pub(crate) mod publish;
 pub(crate) mod watchdog;
 
 /// How long a failed run waits for the VMM to end before reporting (1 s).
@@ -162,6 +163,14 @@ pub struct RunArgs {
     /// changes are forwarded. Needs a terminal on stdin.
     #[arg(short = 't', long)]
     pub(crate) tty: bool,
+    /// Publish a guest TCP port on the host, as `docker run -p` does:
+    /// `[ADDR:]HOST_PORT:GUEST_PORT`, or `PORT` for the same port on both (repeatable). Each
+    /// connection to the host port reaches the server on the guest's port (listening on
+    /// 0.0.0.0 or 127.0.0.1) over vsock; the guest has no network device. The host side
+    /// listens on 127.0.0.1 unless ADDR says otherwise (e.g. `0.0.0.0:8080:80`).
+    #[arg(short = 'p', long = "publish", value_name = "[ADDR:]HOST_PORT:GUEST_PORT",
+        value_parser = publish::parse)]
+    pub(crate) publish: Vec<bulkhead_sandbox::ingress::PortMapping>,
     /// Accepted as `docker run -i` is: `bulkhead run` always streams stdin to the command.
     #[arg(short = 'i', long)]
     interactive: bool,
@@ -306,12 +315,20 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     recipe.config.runtime_dir = run_dir.path().to_owned();
     // The VMM's cgroup with the run's limits, if it asked for any; removed when the run ends.
     let _cgroup = limits::apply(&mut recipe)?;
+    let ports = publish::bind(&args.publish)?;
     let router = SignalRouter::install(run_dir.path().to_owned())?;
     let mut sandbox = match Sandbox::start_with(&recipe.config, &recipe.storage) {
         Ok(sandbox) => sandbox,
         Err(e) => {
             router.boot_failed();
             return Err(e.to_string());
+        }
+    };
+    let _published = match publish::serve(&sandbox, ports) {
+        Ok(published) => published,
+        Err(e) => {
+            let _ = sandbox.destroy_timed();
+            return Err(e);
         }
     };
     // With a network, the proxy's variables and the secrets' placeholders exist only now.

@@ -30,6 +30,7 @@
 
 pub mod cgroup;
 pub mod egress;
+pub mod ingress;
 pub mod jail;
 pub mod mounts;
 pub mod paths;

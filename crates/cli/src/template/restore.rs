@@ -48,6 +48,7 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
     let run_dir = rundir::create(&recipe.config.runtime_dir)?;
     recipe.config.runtime_dir = run_dir.path().to_owned();
     let _cgroup = limits::apply(&mut recipe)?;
+    let ports = run::publish::bind(&args.publish)?;
     let router = SignalRouter::install(run_dir.path().to_owned())?;
     let created = Instant::now();
     let mut sandbox = match Sandbox::restore(&recipe.config, &template.dir) {
@@ -55,6 +56,13 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
         Err(e) => {
             router.boot_failed();
             return Err(e.to_string());
+        }
+    };
+    let _published = match run::publish::serve(&sandbox, ports) {
+        Ok(published) => published,
+        Err(e) => {
+            let _ = sandbox.destroy_timed();
+            return Err(e);
         }
     };
     let request = run::exec_request(args, &recipe.exec);
