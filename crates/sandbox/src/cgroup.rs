@@ -225,21 +225,7 @@ impl CgroupManager {
     /// # Errors
     /// [`CgroupError::Op`]; a half-made cgroup is removed.
     pub fn create(&self, spec: &CgroupSpec, limits: &VmLimits) -> Result<VmCgroup, CgroupError> {
-        let cg = Cgroup::new_with_specified_controllers(
-            hierarchy(spec.version),
-            &spec.path,
-            Some(controllers(spec.version)),
-        )
-        .map_err(|e| op_error(&spec.path, "create", e))?;
-        let vm = VmCgroup {
-            cg,
-            spec: spec.clone(),
-        };
-        if let Err(e) = vm.apply(limits) {
-            let _ = vm.remove();
-            return Err(e);
-        }
-        Ok(vm)
+        VmCgroup::create(spec, limits)
     }
 
     /// Names (`vm-<id>` → `<id>`) of the VM cgroups under the parent, to find strays.
@@ -275,6 +261,31 @@ pub struct VmCgroup {
 }
 
 impl VmCgroup {
+    /// Creates the cgroup `spec` (with the memory, CPU and pids controllers; v2 enables them in
+    /// its ancestors' `cgroup.subtree_control`) and applies `limits`. Used by
+    /// [`CgroupManager::create`] and by callers that are given a cgroup path (the containerd
+    /// shim: the OCI spec's `linux.cgroupsPath`).
+    ///
+    /// # Errors
+    /// [`CgroupError::Op`]; a half-made cgroup is removed.
+    pub fn create(spec: &CgroupSpec, limits: &VmLimits) -> Result<VmCgroup, CgroupError> {
+        let cg = Cgroup::new_with_specified_controllers(
+            hierarchy(spec.version),
+            &spec.path,
+            Some(controllers(spec.version)),
+        )
+        .map_err(|e| op_error(&spec.path, "create", e))?;
+        let vm = VmCgroup {
+            cg,
+            spec: spec.clone(),
+        };
+        if let Err(e) = vm.apply(limits) {
+            let _ = vm.remove();
+            return Err(e);
+        }
+        Ok(vm)
+    }
+
     /// A handle on an existing (or already removed) cgroup.
     pub fn load(spec: &CgroupSpec) -> VmCgroup {
         VmCgroup {
@@ -391,6 +402,14 @@ impl VmCgroup {
 
 /// The unified hierarchy when `/sys/fs/cgroup` is cgroup2; v1 when a memory controller
 /// hierarchy is mounted; None otherwise.
+impl Version {
+    /// The hierarchy this host mounts at `/sys/fs/cgroup`: v2 when it is the unified hierarchy,
+    /// v1 when a memory controller hierarchy is mounted, else None.
+    pub fn detect() -> Option<Version> {
+        detect()
+    }
+}
+
 fn detect() -> Option<Version> {
     if hierarchies::is_cgroup2_unified_mode() {
         return Some(Version::V2);

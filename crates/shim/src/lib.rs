@@ -28,7 +28,9 @@
 pub mod backend;
 pub mod events;
 pub mod oci;
+pub mod pod_cgroup;
 pub mod pod_roots;
+pub mod ports;
 pub mod rootfs;
 pub mod service;
 pub mod shim;

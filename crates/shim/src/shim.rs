@@ -7,7 +7,8 @@
 //!   the others find its socket and answer its address.
 //! * `delete` is what containerd runs when a shim died without cleaning up: it takes down the
 //!   container's root mount (and its pod's roots directory when it was the last,
-//!   [`crate::pod_roots::remove_stale`]) and reports the task killed (status 137). The dead
+//!   [`crate::pod_roots::remove_stale`]) and the cgroup its spec names
+//!   ([`crate::pod_cgroup::remove_stale`]), and reports the task killed (status 137). The dead
 //!   shim's VMMs stopped with it (they are started with a parent-death signal).
 //! * Otherwise the process serves the task API ([`TtrpcTask`]) until `Shutdown` finds no
 //!   container left, publishing events to containerd through [`RemoteSink`].
@@ -112,6 +113,10 @@ impl Shim for BulkheadShim {
         let annotations = bundle_annotations(bundle).unwrap_or_default();
         let pod = crate::pod_id(&self.id, &annotations);
         remove_stale(&VmBackend::new(None).pods_dir(), pod, &self.id);
+        // The dead shim's VMM stopped with it (parent-death signal); its cgroup is left.
+        if let Ok(spec) = crate::oci::load(bundle) {
+            crate::pod_cgroup::remove_stale(&spec);
+        }
         Ok(DeleteResponse {
             exit_status: KILLED_STATUS,
             exited_at: timestamp(SystemTime::now()),

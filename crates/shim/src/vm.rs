@@ -15,6 +15,9 @@
 //! overlay; OCI `root.readonly` gives it the root read-only instead), so containerd's snapshot
 //! never changes.
 //!
+//! The VMM runs in the cgroup the first container's spec names ([`crate::pod_cgroup`]); the ports
+//! its `bulkhead.io/ports` annotation declares are forwarded into the VM ([`crate::ports`]).
+//!
 //! The VM's size is the first container's (under Kubernetes, the pod sandbox's, whose spec has
 //! the pod's annotations). Not yet: resource updates and guest-side stats (Update is refused,
 //! Stats reports the VM's size).
@@ -29,6 +32,8 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use bulkhead_protocol::client::{AgentClient, ExecEvent, ExecReader, ExecWriter};
 use bulkhead_protocol::{ExecRequest, ExitStatus, WindowSize};
+use bulkhead_sandbox::cgroup::VmCgroup;
+use bulkhead_sandbox::ingress::Published;
 use bulkhead_sandbox::{Mount as Share, Sandbox, SandboxConfig};
 use oci_spec::runtime::{Process, Spec};
 use tokio::sync::oneshot;
@@ -37,7 +42,9 @@ use crate::backend::{
     Backend, BackendError, ContainerSpec, ExecProcess, Resources, StartSpec, Started, Stats,
 };
 use crate::oci;
+use crate::pod_cgroup;
 use crate::pod_roots::{PodRoots, PODS_DIR};
+use crate::ports;
 use crate::state::{Exit, ProcessKey, Stdio};
 
 /// Where each container's root is shared in the guest: `<GUEST_ROOTS>/<container id>`.
@@ -50,6 +57,10 @@ const LOST: u32 = 255;
 struct Pod {
     sandbox: Sandbox,
     roots: PodRoots,
+    /// The pod's cgroup, which the VMM runs in ([`crate::pod_cgroup`]).
+    cgroup: Option<VmCgroup>,
+    /// The pod's forwarded ports ([`crate::ports`]); dropped with the pod.
+    _published: Option<Published>,
     memory_mib: u32,
     /// How long a request to the pod's agent may wait for an answer: the boot timeout.
     patience: Duration,
@@ -124,6 +135,27 @@ impl VmBackend {
     /// `spec`.
     fn boot(&self, spec: &Spec, roots: PodRoots) -> Result<Pod, BackendError> {
         let size = oci::vm_size(spec);
+        let cgroup = match pod_cgroup::path_of(spec) {
+            Ok(Some(path)) => pod_cgroup::create(&path, size),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let cgroup = match cgroup {
+            Ok(cgroup) => cgroup,
+            Err(e) => {
+                let _ = roots.close();
+                return Err(failed(e));
+            }
+        };
+        // The pod's ports are bound before the boot: a port in use fails the create at once.
+        let listeners = match ports::mappings(spec).and_then(|m| ports::bind(spec, &m)) {
+            Ok(listeners) => listeners,
+            Err(e) => {
+                let _ = roots.close();
+                remove_cgroup(cgroup.as_ref());
+                return Err(BackendError::InvalidArgument(e.to_string()));
+            }
+        };
         let config = SandboxConfig {
             memory_mib: size.memory_mib,
             vcpus: size.vcpus,
@@ -134,18 +166,37 @@ impl VmBackend {
             }],
             follow_host_mounts: true,
             kill_on_parent_exit: true,
+            cgroup_procs: cgroup
+                .as_ref()
+                .map(VmCgroup::procs_files)
+                .unwrap_or_default(),
             ..self.base_config()
         };
         let sandbox = match Sandbox::start(&config) {
             Ok(sandbox) => sandbox,
             Err(e) => {
                 let _ = roots.close();
+                remove_cgroup(cgroup.as_ref());
                 return Err(failed(e));
             }
+        };
+        let published = match listeners.is_empty() {
+            true => None,
+            false => match Published::serve(&sandbox.client(), listeners) {
+                Ok(published) => Some(published),
+                Err(e) => {
+                    let _ = sandbox.destroy();
+                    let _ = roots.close();
+                    remove_cgroup(cgroup.as_ref());
+                    return Err(failed(e));
+                }
+            },
         };
         Ok(Pod {
             sandbox,
             roots,
+            cgroup,
+            _published: published,
             memory_mib: size.memory_mib,
             // The first exec of a guest that has just come up on a loaded host can take far
             // longer than the client's default 10 s to start, as for `bulkhead run`.
@@ -288,8 +339,16 @@ impl VmBackend {
             .roots
             .remove(container_id)
             .and_then(|()| last.roots.close());
+        remove_cgroup(last.cgroup.as_ref());
         destroyed.map_err(failed)?;
         unmounted.map_err(failed)
+    }
+}
+
+/// Removes a pod's cgroup (logging a failure: the container's delete goes on).
+fn remove_cgroup(cgroup: Option<&VmCgroup>) {
+    if let Some(Err(e)) = cgroup.map(VmCgroup::remove) {
+        tracing::warn!("{e}");
     }
 }
 
