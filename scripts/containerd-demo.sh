@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # containerd runs a container in a bulkhead microVM: `ctr run --runtime io.containerd.bulkhead.v2`.
 #
-#   scripts/containerd-demo.sh [--bin DIR] [--work DIR] [--more] [--faults] [-- CMD...]
+#   scripts/containerd-demo.sh [--bin DIR] [--work DIR] [--tty] [--more] [--faults] [-- CMD...]
+#   scripts/containerd-demo.sh [--bin DIR] [--work DIR] --cri -- CLIENT...
+#   scripts/containerd-demo.sh [--bin DIR] [--work DIR] --bench N [-- CMD...]
 #   (default CMD: uname -r)
 #
 # What it does, offline (no registry is reached):
@@ -9,18 +11,34 @@
 #   2. builds a small OCI image from busybox-static (one layer, `ctr images import`);
 #   3. starts a private containerd (its own root, state and socket under --work; the CRI plugin
 #      off) with DIR (default: target/release) first in PATH, so that it finds
-#      containerd-shim-bulkhead-v2 there;
+#      containerd-shim-bulkhead-v2 there, and mounts cgroup2 at /sys/fs/cgroup if no cgroup
+#      hierarchy is mounted (the shim puts each pod's VMM in its container's cgroup);
 #   4. runs `ctr run --rm --runtime io.containerd.bulkhead.v2 IMAGE demo CMD...` and prints what
 #      the container printed (the guest kernel's release, not the host's) and its exit status;
+#      with --tty, `ctr run -t`: the container gets a terminal of this terminal's size (run the
+#      script on a terminal);
 #   5. with --more: `ctr run -d` of a shell that traps SIGTERM, `ctr task exec` into it (its output
 #      and exit status), `ctr task kill` (SIGTERM: the task stops), and `ctr run --memory-limit`
 #      64 MiB (the guest's MemTotal), one line each on stdout (`exec: ...`, `kill: ...`,
-#      `memory: ...`), then the resident memory of the detached task's shim and VMM (`rss: ...`);
+#      `memory: ...`), the detached task VMM's cgroup and its memory limit (`cgroup: ...`), a page
+#      from busybox httpd in a task whose annotation bulkhead.io/ports=18080:8000 forwards the
+#      host's port 18080 to it (`ingress: ...`), and the resident memory of the first task's shim
+#      and VMM (`rss: ...`);
 #   6. with --faults: kill -9 of a running task's VMM (the task exits with status 255, `ctr run`
-#      with it; its root is unmounted) and kill -9 of a running task's shim (containerd runs the
-#      shim's `delete`: the task goes, its VMM stops, its root is unmounted), one line each on
-#      stdout (`vmm-kill: ...`, `shim-kill: ...`);
+#      with it; its root is unmounted, its cgroup removed), kill -9 of a running task's shim
+#      (containerd runs the shim's `delete`: the task goes, its VMM stops, its root is unmounted
+#      and its cgroup removed), and kill -9 of containerd under a running task (a new
+#      containerd finds the task through its shim: exec and kill work), one line each on stdout (`vmm-kill: ...`, `shim-kill: ...`, `restart: ...`);
 #   7. stops containerd and removes --work (default: a new temporary directory).
+# With --cri, containerd's CRI plugin is on instead, with the runtime handler `bulkhead`
+# (runtime_type io.containerd.bulkhead.v2, native snapshotter, no CNI: pods need the host's
+# network) and a pod sandbox image of its own (docker.io/bulkhead/pause:demo, busybox `sleep`);
+# both images are imported in the `k8s.io` namespace, and CLIENT runs in place of steps 4-6 with
+# CONTAINER_RUNTIME_ENDPOINT=unix://SOCKET and BULKHEAD_DEMO_IMAGE=IMAGE (e.g. crictl, or
+# target/debug/bulkhead-cri-check, which runs two pods); the script exits with its status.
+# With --bench N, steps 4-6 are N rounds of `ctr run --rm ... CMD` and `DIR/bulkhead run -- CMD`
+# in turn, each timed from its start to its first line of output, printed as `bench: ctr MS` and
+# `bench: run MS` (benches/containerd.rs reads them).
 #
 # The microVM needs a KVM that boots stock guests; on a kvm_pvm host run the script in the nested
 # test host (docs/testhost.md), which has busybox but not containerd or bash, e.g.:
@@ -38,21 +56,29 @@ IMAGE="docker.io/bulkhead/busybox:demo"
 CMD=(uname -r)
 MORE=0
 FAULTS=0
+CRI=0
+BENCH=0
+PAUSE="docker.io/bulkhead/pause:demo"
+TTY=()
 
 while (($#)); do
     case "$1" in
         --bin) BIN="$2"; shift 2 ;;
         --work) WORK="$2"; shift 2 ;;
         --more) MORE=1; shift ;;
+        --tty) TTY=(-t); shift ;;
+        --cri) CRI=1; shift ;;
+        --bench) BENCH="$2"; shift 2 ;;
         --faults) FAULTS=1; shift ;;
         --) shift; CMD=("$@"); break ;;
-        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,51p' "$0"; exit 0 ;;
         *) echo "containerd-demo: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 
 log() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'containerd-demo: %s\n' "$*" >&2; exit 1; }
+[[ "$BENCH" =~ ^[0-9]+$ ]] || die "--bench takes a number of rounds, not \"$BENCH\""
 
 [[ -x "$BIN/containerd-shim-bulkhead-v2" ]] \
     || die "$BIN/containerd-shim-bulkhead-v2 is missing: cargo build --release -p bulkhead-shim (or --bin DIR)"
@@ -72,6 +98,13 @@ SOCK="$WORK/containerd.sock"
 CTRD_PID=""
 cleanup() {
     if [[ -n "$CTRD_PID" ]]; then
+        # Tasks a failed step left running: their shims and VMMs would outlive the script.
+        for ns in default k8s.io; do
+            for t in $(ctr -a "$SOCK" -n "$ns" task ls -q 2>/dev/null); do
+                ctr -a "$SOCK" -n "$ns" task kill -s SIGKILL "$t" >/dev/null 2>&1 || true
+                ctr -a "$SOCK" -n "$ns" task delete -f "$t" >/dev/null 2>&1 || true
+            done
+        done
         kill "$CTRD_PID" 2>/dev/null || true
         wait "$CTRD_PID" 2>/dev/null || true
     fi
@@ -105,49 +138,125 @@ blob() { # FILE -> prints its digest and size; stores it as a blob
 tar -C "$layer" --numeric-owner -cf "$WORK/layer.tar" .
 b="$(blob "$WORK/layer.tar")"; layer_digest="${b% *}"; layer_size="${b#* }"
 arch="$(dpkg --print-architecture 2>/dev/null || echo amd64)"
-cat > "$WORK/config.json" <<EOF
-{"architecture":"$arch","os":"linux","config":{"Env":["PATH=/bin"],"Cmd":["sh"]},"rootfs":{"type":"layers","diff_ids":["sha256:$layer_digest"]}}
+manifest() { # NAME REF CMD_JSON -> prints the image's index entry; stores its config and manifest
+    local b config_digest config_size
+    cat > "$WORK/config-$2.json" <<EOF
+{"architecture":"$arch","os":"linux","config":{"Env":["PATH=/bin"],"Cmd":$3},"rootfs":{"type":"layers","diff_ids":["sha256:$layer_digest"]}}
 EOF
-b="$(blob "$WORK/config.json")"; config_digest="${b% *}"; config_size="${b#* }"
-cat > "$WORK/manifest.json" <<EOF
+    b="$(blob "$WORK/config-$2.json")"; config_digest="${b% *}"; config_size="${b#* }"
+    cat > "$WORK/manifest-$2.json" <<EOF
 {"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:$config_digest","size":$config_size},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"sha256:$layer_digest","size":$layer_size}]}
 EOF
-b="$(blob "$WORK/manifest.json")"; manifest_digest="${b% *}"; manifest_size="${b#* }"
-cat > "$oci/index.json" <<EOF
-{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:$manifest_digest","size":$manifest_size,"annotations":{"io.containerd.image.name":"$IMAGE","org.opencontainers.image.ref.name":"demo"}}]}
-EOF
+    b="$(blob "$WORK/manifest-$2.json")"
+    printf '{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:%s","size":%s,"annotations":{"io.containerd.image.name":"%s","org.opencontainers.image.ref.name":"%s"}}' \
+        "${b% *}" "${b#* }" "$1" "$2"
+}
+# The demo image, and a pod sandbox ("pause") image whose process only waits.
+entries="$(manifest "$IMAGE" demo '["sh"]'),$(manifest "$PAUSE" pause '["sleep","2147483647"]')"
+echo "{\"schemaVersion\":2,\"manifests\":[$entries]}" > "$oci/index.json"
 echo '{"imageLayoutVersion":"1.0.0"}' > "$oci/oci-layout"
 tar -C "$oci" -cf "$WORK/image.tar" .
 
 # --- 3. a private containerd ---
+if ((CRI)); then
+    mkdir -p "$WORK/cni/bin" "$WORK/cni/net.d"
+    cri_config="[plugins.\"io.containerd.grpc.v1.cri\"]
+  sandbox_image = \"$PAUSE\"
+  stream_server_address = \"127.0.0.1\"
+  stream_server_port = \"0\"
+  [plugins.\"io.containerd.grpc.v1.cri\".containerd]
+    snapshotter = \"native\"
+    default_runtime_name = \"bulkhead\"
+    [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.bulkhead]
+      runtime_type = \"io.containerd.bulkhead.v2\"
+  [plugins.\"io.containerd.grpc.v1.cri\".cni]
+    bin_dir = \"$WORK/cni/bin\"
+    conf_dir = \"$WORK/cni/net.d\""
+else
+    cri_config='disabled_plugins = ["io.containerd.grpc.v1.cri"]'
+fi
 cat > "$WORK/containerd.toml" <<EOF
 version = 2
 root = "$WORK/root"
 state = "$WORK/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
+$cri_config
 [grpc]
   address = "$SOCK"
 [ttrpc]
   address = "$SOCK.ttrpc"
 EOF
-log "starting containerd ($(containerd --version | awk '{print $3}')) with $BIN in PATH"
-PATH="$BIN:$PATH" containerd --config "$WORK/containerd.toml" >"$WORK/containerd.log" 2>&1 &
-CTRD_PID=$!
-for _ in $(seq 1 100); do
-    [[ -S "$SOCK" ]] && ctr -a "$SOCK" version >/dev/null 2>&1 && break
-    kill -0 "$CTRD_PID" 2>/dev/null || { cat "$WORK/containerd.log" >&2; die "containerd exited"; }
-    sleep 0.2
-done
-ctr -a "$SOCK" version >/dev/null || die "containerd did not answer on $SOCK"
+# The shim puts a pod's VMM in the cgroup the container's spec names (ctr: /default/ID); the
+# nested test host mounts no cgroup hierarchy of its own.
+if [[ ! -e /sys/fs/cgroup/cgroup.controllers && ! -d /sys/fs/cgroup/memory ]]; then
+    log "mounting cgroup2 at /sys/fs/cgroup (none was mounted)"
+    mount -t cgroup2 none /sys/fs/cgroup
+fi
+start_containerd() {
+    log "starting containerd ($(containerd --version | awk '{print $3}')) with $BIN in PATH"
+    # Its stdio is its log, not this script's (which may be a terminal held open by it).
+    PATH="$BIN:$PATH" containerd --config "$WORK/containerd.toml" \
+        </dev/null >>"$WORK/containerd.log" 2>&1 &
+    CTRD_PID=$!
+    for _ in $(seq 1 100); do
+        [[ -S "$SOCK" ]] && ctr -a "$SOCK" version >/dev/null 2>&1 && break
+        kill -0 "$CTRD_PID" 2>/dev/null || { cat "$WORK/containerd.log" >&2; die "containerd exited"; }
+        sleep 0.2
+    done
+    ctr -a "$SOCK" version >/dev/null || die "containerd did not answer on $SOCK"
+}
+start_containerd
+
+if ((CRI)); then
+    # A host-network pod gets copies of the host's /etc/hosts and /etc/resolv.conf; the nested
+    # test host has neither.
+    for f in /etc/hosts /etc/resolv.conf; do
+        if [[ ! -e "$f" ]]; then
+            log "creating $f (there is none)"
+            case "$f" in
+                /etc/hosts) echo "127.0.0.1 localhost" > "$f" ;;
+                *) : > "$f" ;;
+            esac
+        fi
+    done
+    # The CRI plugin's images live in the k8s.io namespace, unpacked for its snapshotter.
+    ctr -a "$SOCK" -n k8s.io images import --snapshotter native "$WORK/image.tar" >/dev/null
+    ctr -a "$SOCK" -n k8s.io images ls -q | grep -qx "$PAUSE" || die "the images were not imported"
+    log "CRI on unix://$SOCK (handler bulkhead): ${CMD[*]}"
+    set +e
+    CONTAINER_RUNTIME_ENDPOINT="unix://$SOCK" BULKHEAD_DEMO_IMAGE="$IMAGE" "${CMD[@]}"
+    status=$?
+    set -e
+    if ((status != 0)); then
+        log "containerd's log:"
+        tail -30 "$WORK/containerd.log" >&2
+    fi
+    exit "$status"
+fi
 
 ctr -a "$SOCK" images import --no-unpack=false "$WORK/image.tar" >/dev/null
 ctr -a "$SOCK" images ls -q | grep -qx "$IMAGE" || die "the image was not imported"
 
 # --- 4. the container, in a microVM ---
 RUNTIME=(--snapshotter native --runtime io.containerd.bulkhead.v2)
-log "ctr run --runtime io.containerd.bulkhead.v2 $IMAGE demo ${CMD[*]}"
+
+if ((BENCH)); then
+    # --- bench: time to first output, `ctr run` beside `bulkhead run`, alternating ---
+    now_ms() { local t="${EPOCHREALTIME/./}"; echo $((t / 1000)); }
+    first_line_ms() { # CMD... -> ms from its start to its first line of output ("x": none)
+        local t0
+        t0="$(now_ms)"
+        "$@" 2>/dev/null | { if read -r _; then echo $(($(now_ms) - t0)); else echo x; fi; cat >/dev/null; }
+    }
+    log "$BENCH rounds: ctr run --rm ${CMD[*]}, then bulkhead run -- ${CMD[*]}"
+    for i in $(seq 1 "$BENCH"); do
+        echo "bench: ctr $(first_line_ms ctr -a "$SOCK" run --rm "${RUNTIME[@]}" "$IMAGE" "bench$i" "${CMD[@]}")"
+        echo "bench: run $(first_line_ms "$BIN/bulkhead" run -- "${CMD[@]}")"
+    done
+    exit 0
+fi
+log "ctr run ${TTY[*]} --runtime io.containerd.bulkhead.v2 $IMAGE demo ${CMD[*]}"
 set +e
-ctr -a "$SOCK" run --rm "${RUNTIME[@]}" "$IMAGE" demo "${CMD[@]}"
+ctr -a "$SOCK" run --rm "${TTY[@]}" "${RUNTIME[@]}" "$IMAGE" demo "${CMD[@]}"
 status=$?
 set -e
 log "the container exited with status $status (host kernel: $(uname -r))"
@@ -191,6 +300,14 @@ vmm_pid() {
 }
 # Mounts of container ID's root (the shim's pod roots, <runtime dir>/pods/<pod>/<ID>).
 root_mounts() { grep -c "/pods/$1" /proc/mounts || true; }
+# 1 while the cgroup `ctr run` names for container ID (/default/ID) exists.
+cgroup_left() {
+    if [[ -d "/sys/fs/cgroup/default/$1" || -d "/sys/fs/cgroup/memory/default/$1" ]]; then
+        echo 1
+    else
+        echo 0
+    fi
+}
 
 if ((FAULTS)); then
     # --- 6. faults ---
@@ -206,7 +323,7 @@ if ((FAULTS)); then
     wait "$ctr_pid"
     status=$?
     set -e
-    echo "vmm-kill: status=$status mounts=$(root_mounts vmmkill)"
+    echo "vmm-kill: status=$status mounts=$(root_mounts vmmkill) cgroup=$(cgroup_left vmmkill)"
 
     log "kill -9 of a running task's shim"
     ctr -a "$SOCK" run -d "${RUNTIME[@]}" "$IMAGE" shimkill sleep 1000
@@ -221,7 +338,7 @@ if ((FAULTS)); then
     for _ in $(seq 1 300); do
         state="$(task_status shimkill)"
         if [[ "$state" != RUNNING ]] && ! kill -0 "$vmm" 2>/dev/null \
-            && (($(root_mounts shimkill) == 0)); then
+            && (($(root_mounts shimkill) == 0)) && (($(cgroup_left shimkill) == 0)); then
             gone=1
             break
         fi
@@ -229,9 +346,32 @@ if ((FAULTS)); then
     done
     vmm_alive=0
     kill -0 "$vmm" 2>/dev/null && vmm_alive=1
-    echo "shim-kill: task=${state:-gone} vmm_alive=$vmm_alive mounts=$(root_mounts shimkill)${gone:+ clean}"
+    echo "shim-kill: task=${state:-gone} vmm_alive=$vmm_alive mounts=$(root_mounts shimkill)" \
+        "cgroup=$(cgroup_left shimkill)${gone:+ clean}"
     ctr -a "$SOCK" task delete shimkill >/dev/null 2>&1 || true
     ctr -a "$SOCK" container delete shimkill >/dev/null 2>&1 || true
+
+    log "kill -9 of containerd under a running task, then a new containerd"
+    ctr -a "$SOCK" run -d "${RUNTIME[@]}" "$IMAGE" survivor sleep 1000
+    wait_status survivor RUNNING || die "the task did not run: $(task_status survivor)"
+    shim="$(shim_pid survivor)"
+    kill -9 "$CTRD_PID"
+    wait "$CTRD_PID" 2>/dev/null || true
+    CTRD_PID=""
+    start_containerd
+    # The new containerd reads the task's shim address from its state and connects to it.
+    state="$(task_status survivor)"
+    set +e
+    out="$(ctr -a "$SOCK" task exec --exec-id after survivor sh -c 'echo reconnected; exit 5')"
+    exec_status=$?
+    set -e
+    same_shim=0
+    [[ -n "$shim" && "$(shim_pid survivor)" == "$shim" ]] && same_shim=1
+    ctr -a "$SOCK" task kill -s SIGKILL survivor
+    stopped="$(wait_status survivor STOPPED && echo STOPPED || task_status survivor)"
+    echo "restart: task=${state:-gone} same_shim=$same_shim exec=$exec_status:$out kill=$stopped"
+    ctr -a "$SOCK" task delete survivor >/dev/null 2>&1 || true
+    ctr -a "$SOCK" container delete survivor >/dev/null 2>&1 || true
 fi
 ((MORE)) || exit 0
 
@@ -251,6 +391,11 @@ rss_of() { awk '/^VmRSS:/ { print $2 }' "/proc/$1/status" 2>/dev/null || echo "?
 shim="$(shim_pid more)"
 vmm="$(vmm_pid more)"
 rss="rss: shim=$(rss_of "${shim:-0}") vmm=$(rss_of "${vmm:-0}") (KiB)"
+# The VMM's cgroup (v2: the `0::` line; v1: the memory hierarchy's) and its memory limit.
+vmm_cgroup="$({ grep -E '^0::|:memory:' "/proc/${vmm:-0}/cgroup" 2>/dev/null || true; } | head -1 | cut -d: -f3)"
+limit="$({ cat "/sys/fs/cgroup$vmm_cgroup/memory.max" \
+    "/sys/fs/cgroup/memory$vmm_cgroup/memory.limit_in_bytes" 2>/dev/null || true; } | head -1)"
+cgroup_line="cgroup: ${vmm_cgroup:-none} memory=${limit:-none}"
 log "ctr task exec"
 set +e
 out="$(ctr -a "$SOCK" task exec --exec-id e1 more sh -c 'echo in-exec pid=$$; exit 4')"
@@ -266,4 +411,28 @@ log "ctr run --memory-limit 64 MiB"
 mem="$(ctr -a "$SOCK" run --rm "${RUNTIME[@]}" --memory-limit $((64 << 20)) "$IMAGE" mem \
     grep MemTotal /proc/meminfo)"
 echo "memory: $mem"
+echo "$cgroup_line"
+
+log "ctr run -d --annotation bulkhead.io/ports=18080:8000: busybox httpd in the microVM"
+ctr -a "$SOCK" run -d "${RUNTIME[@]}" --annotation bulkhead.io/ports=18080:8000 "$IMAGE" web \
+    sh -c 'mkdir -p /www && echo hello-ingress > /www/index.html && exec httpd -f -p 8000 -h /www'
+wait_status web RUNNING || die "the web task did not run: $(task_status web)"
+# GET PATH from 127.0.0.1:PORT with bash's /dev/tcp: the reply's last line (the page).
+http_get() {
+    local reply
+    reply="$({ exec 3<>"/dev/tcp/127.0.0.1/$1" && printf 'GET %s HTTP/1.0\r\n\r\n' "$2" >&3 \
+        && cat <&3; } 2>/dev/null)" || return 1
+    [[ -n "$reply" ]] || return 1
+    printf '%s\n' "$reply" | tail -1 | tr -d '\r'
+}
+page=""
+for _ in $(seq 1 300); do
+    page="$(http_get 18080 /index.html)" && break
+    sleep 0.2
+done
+echo "ingress: ${page:-nothing}"
+ctr -a "$SOCK" task kill -s SIGKILL web
+wait_status web STOPPED || true
+ctr -a "$SOCK" task delete web >/dev/null 2>&1 || true
+ctr -a "$SOCK" container delete web >/dev/null 2>&1 || true
 echo "$rss"

@@ -42,8 +42,10 @@ SUDO=()
 # crates and the kernel build (scripts/build-kernel.sh installs the kernel's own build deps),
 # python3 for the Python SDK's tests (Debian's /usr/bin/python3 also runs them in the test host),
 # containerd (1.6) for the containerd shim's end-to-end test and scripts/containerd-demo.sh (they
-# start a private containerd of their own; the packaged service is not used).
-PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap git python3 containerd)
+# start a private containerd of their own; the packaged service is not used), protoc for the
+# CRI client's generated bindings (tests/cri).
+PKGS=(busybox-static cpio gzip lz4 gcc make util-linux e2fsprogs mmdebstrap git python3 containerd
+    protobuf-compiler)
 # The nested test host (QEMU emulating an x86_64 machine with AMD SVM) is for x86_64 hosts.
 [[ "$ARCH" != x86_64 ]] || PKGS+=(qemu-system-x86)
 # The aarch64 cross toolchain (linker for the aarch64 Rust targets, see .cargo/config.toml; C

@@ -5,6 +5,7 @@ mod bad_input;
 mod bench;
 mod boot;
 mod container;
+mod cri;
 mod egress;
 mod fs;
 mod fs_many;

@@ -14,7 +14,9 @@ use std::thread::JoinHandle;
 use bulkhead_shim::backend::{Backend, ContainerSpec, ExecProcess, StartSpec};
 use bulkhead_shim::state::{ProcessKey, Stdio};
 use bulkhead_shim::vm::{SharedVmBackend, VmBackend};
-use bulkhead_tests::{artifacts, guest_test, sandbox_config};
+use bulkhead_tests::containerd::demo;
+use bulkhead_tests::pty::{collect, lflag, terminal};
+use bulkhead_tests::{guest_test, sandbox_config};
 
 /// A bundle: `config.json` running `script` with a 128 MiB memory limit, and a busybox rootfs.
 fn bundle(dir: &Path, script: &str) {
@@ -268,31 +270,44 @@ guest_test!(
 /// `scripts/containerd-demo.sh FLAGS -- CMD` in the test host: containerd, an offline image, and
 /// `ctr run --runtime io.containerd.bulkhead.v2`, with this build's shim, VMM, kernel and agent.
 fn ctr_run(flags: &[&str], cmd: &[&str]) -> std::process::Output {
-    let a = artifacts();
-    let bin = bulkhead_tests::containerd::bin_dir();
-    assert!(
-        bin.join("containerd").is_file(),
-        "containerd is not installed on the host: apt-get install containerd (scripts/setup.sh does)"
-    );
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    std::process::Command::new(bin.join("bash"))
-        .arg(bulkhead_tests::workspace_root().join("scripts/containerd-demo.sh"))
-        .arg("--bin")
-        .arg(bulkhead_tests::profile_dir())
-        .args(flags)
-        .arg("--")
-        .args(cmd)
-        .env("PATH", path)
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
-        .output()
-        .unwrap()
+    demo(flags, cmd).output().unwrap()
 }
+
+guest_test!(
+    fn ctr_run_t_gives_the_container_a_terminal_of_the_callers_size_and_restores_it() {
+        // Arrange: the demo's stdin and stdout are a terminal of ours, 37 rows × 111 columns.
+        let (master, slave) = terminal(37, 111);
+        let seen = collect(&master);
+        let cooked = lflag(&slave);
+        let mut command = demo(&["--tty"], &["sh", "-c", "tty; stty size; exit 3"]);
+        command
+            .stdin(slave.try_clone().unwrap())
+            .stdout(slave.try_clone().unwrap())
+            .stderr(std::process::Stdio::piped());
+
+        // Act
+        let run = command.spawn().unwrap().wait_with_output().unwrap();
+
+        // Assert
+        let text = || seen.lock().unwrap().clone();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !text().contains("37 111") && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let shown = format!(
+            "{:?}\n--- terminal\n{}\n--- stderr\n{}",
+            run.status,
+            text(),
+            String::from_utf8_lossy(&run.stderr)
+        );
+        assert_eq!(run.status.code(), Some(3), "{shown}");
+        // The guest's pseudo-terminal, sized as ours (`ctr run -t` passes its console's size).
+        assert!(text().contains("/dev/pts/"), "{shown}");
+        assert!(text().contains("37 111"), "{shown}");
+        // ctr put our terminal in raw mode and put it back.
+        assert_eq!(lflag(&slave), cooked, "{shown}");
+    }
+);
 
 guest_test!(
     fn ctr_run_exec_kill_and_a_memory_limit_through_containerd_run_in_a_microvm() {
@@ -314,7 +329,7 @@ guest_test!(
         };
         assert!(uname.status.success(), "{}", shown(&uname));
         let stdout = String::from_utf8_lossy(&uname.stdout).into_owned();
-        let lines: Vec<&str> = stdout.lines().chain(["", "", "", ""]).collect();
+        let lines: Vec<&str> = stdout.lines().chain(["", "", "", "", "", ""]).collect();
         let release = lines[0];
         assert!(
             !release.is_empty() && release != host_release.trim(),
@@ -337,6 +352,19 @@ guest_test!(
             .and_then(|k| k.parse().ok())
             .unwrap_or_else(|| panic!("{}", shown(&uname)));
         assert!((40 * 1024..=64 * 1024).contains(&kib), "{}", shown(&uname));
+        // The pod's VMM runs in the cgroup the spec names (`ctr`: /default/ID), limited to the
+        // VM's RAM (no limit in the spec: the default) plus the VMM's allowance.
+        let limit = (u64::from(bulkhead_shim::oci::DEFAULT_MEMORY_MIB)
+            + u64::from(bulkhead_sandbox::spec::DEFAULT_VMM_MEMORY_OVERHEAD_MIB))
+            << 20;
+        assert_eq!(
+            lines[4],
+            format!("cgroup: /default/more memory={limit}"),
+            "{}",
+            shown(&uname)
+        );
+        // The task's `bulkhead.io/ports` annotation forwards host port 18080 to its server.
+        assert_eq!(lines[5], "ingress: hello-ingress", "{}", shown(&uname));
         assert_eq!(failing.status.code(), Some(7), "{}", shown(&failing));
         assert_eq!(
             String::from_utf8_lossy(&failing.stdout),
@@ -348,7 +376,7 @@ guest_test!(
 );
 
 guest_test!(
-    fn a_killed_vmm_fails_its_task_and_a_killed_shim_leaves_no_vmm_and_no_mount() {
+    fn a_killed_vmm_fails_its_task_a_killed_shim_leaves_nothing_and_a_new_containerd_reconnects() {
         // Act
         let run = ctr_run(&["--faults"], &["true"]);
 
@@ -370,14 +398,21 @@ guest_test!(
         // kill -9 of the VMM: the task exits with 255 (the VM is lost), its root is unmounted.
         assert_eq!(
             line("vmm-kill:"),
-            "vmm-kill: status=255 mounts=0",
+            "vmm-kill: status=255 mounts=0 cgroup=0",
             "{shown}"
         );
         // kill -9 of the shim: containerd's `delete` of the dead shim's task unmounts its root,
         // and the VMM stops with its shim.
         let shim = line("shim-kill:");
         assert!(
-            shim.ends_with("vmm_alive=0 mounts=0 clean") && !shim.contains("task=RUNNING"),
+            shim.ends_with("vmm_alive=0 mounts=0 cgroup=0 clean") && !shim.contains("task=RUNNING"),
+            "{shown}"
+        );
+        // kill -9 of containerd: the new containerd finds the running task through the same
+        // shim, execs into it and kills it.
+        assert_eq!(
+            line("restart:"),
+            "restart: task=RUNNING same_shim=1 exec=5:reconnected kill=STOPPED",
             "{shown}"
         );
     }

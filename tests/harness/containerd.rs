@@ -3,8 +3,9 @@
 //! directory ([`bin_dir`]), their libraries added to the test host's initramfs.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
-use crate::target_dir;
+use crate::{artifacts, profile_dir, target_dir, workspace_root};
 
 /// The host binaries the test host gets.
 const BINARIES: [&str; 3] = ["/usr/bin/containerd", "/usr/bin/ctr", "/bin/bash"];
@@ -34,4 +35,37 @@ pub fn prepare() -> Option<Vec<PathBuf>> {
         }
     }
     Some(BINARIES.iter().map(PathBuf::from).collect())
+}
+
+/// `scripts/containerd-demo.sh FLAGS -- CMD` as the test host runs it: containerd, an offline
+/// image, and the runtime `io.containerd.bulkhead.v2` with this profile's shim, VMM and CLI
+/// ([`profile_dir`]), kernel and agent initramfs ([`artifacts`]).
+///
+/// # Panics
+/// When containerd is not installed on the host (no copies in [`bin_dir`]).
+pub fn demo(flags: &[&str], cmd: &[&str]) -> Command {
+    let a = artifacts();
+    let bin = bin_dir();
+    assert!(
+        bin.join("containerd").is_file(),
+        "containerd is not installed on the host: apt-get install containerd (scripts/setup.sh does)"
+    );
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut command = Command::new(bin.join("bash"));
+    command
+        .arg(workspace_root().join("scripts/containerd-demo.sh"))
+        .arg("--bin")
+        .arg(profile_dir())
+        .args(flags)
+        .arg("--")
+        .args(cmd)
+        .env("PATH", path)
+        .env("BULKHEAD_KERNEL", &a.vmlinux)
+        .env("BULKHEAD_INITRD", &a.agent_initrd)
+        .env("BULKHEAD_VMM", &a.vmm);
+    command
 }
