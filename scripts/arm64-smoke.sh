@@ -431,10 +431,17 @@ fi
 brun run-publish -p 18080:8000 -- sh -c \
     'echo bulkhead-ingress-ok >/tmp/index.html; exec httpd -f -p 8000 -h /tmp' &
 publish_run=$!
+# A GET with busybox wget, else nc; in a subshell whose stderr is /dev/null, so a client that
+# dies by a signal is not reported on the console each try.
+get_page() {
+    (timeout 20 wget -q -O - http://127.0.0.1:18080/index.html ||
+        printf 'GET /index.html HTTP/1.0\r\n\r\n' | timeout 20 nc 127.0.0.1 18080 |
+        tail -n 1 | tr -d '\r') 2>/dev/null
+}
 page=""
 tries=0
 while [ -z "$page" ] && [ "$tries" -lt $((VMM_TIMEOUT * 2)) ]; do
-    page=$(wget -q -T 10 -O - http://127.0.0.1:18080/index.html 2>/dev/null)
+    page=$(get_page)
     [ -n "$page" ] || sleep 0.5
     tries=$((tries + 1))
 done
