@@ -34,7 +34,8 @@
 # (runtime_type io.containerd.bulkhead.v2, native snapshotter, no CNI: pods need the host's
 # network) and a pod sandbox image of its own (docker.io/bulkhead/pause:demo, busybox `sleep`);
 # both images are imported in the `k8s.io` namespace, and CLIENT runs in place of steps 4-6 with
-# CONTAINER_RUNTIME_ENDPOINT=unix://SOCKET and BULKHEAD_DEMO_IMAGE=IMAGE (e.g. crictl, or
+# CONTAINER_RUNTIME_ENDPOINT=unix://SOCKET, BULKHEAD_DEMO_IMAGE=IMAGE and
+# BULKHEAD_DEMO_SANDBOX_IMAGE=the pause image (e.g. crictl, or
 # target/debug/bulkhead-cri-check, which runs two pods); the script exits with its status.
 # With --bench N, steps 4-6 are N rounds of `ctr run --rm ... CMD` and `DIR/bulkhead run -- CMD`
 # in turn, each timed from its start to its first line of output, printed as `bench: ctr MS` and
@@ -220,10 +221,11 @@ if ((CRI)); then
     done
     # The CRI plugin's images live in the k8s.io namespace, unpacked for its snapshotter.
     ctr -a "$SOCK" -n k8s.io images import --snapshotter native "$WORK/image.tar" >/dev/null
-    ctr -a "$SOCK" -n k8s.io images ls -q | grep -qx "$PAUSE" || die "the images were not imported"
+    ctr -a "$SOCK" -n k8s.io images ls -q | grep -x "$PAUSE" >/dev/null || die "the images were not imported"
     log "CRI on unix://$SOCK (handler bulkhead): ${CMD[*]}"
     set +e
-    CONTAINER_RUNTIME_ENDPOINT="unix://$SOCK" BULKHEAD_DEMO_IMAGE="$IMAGE" "${CMD[@]}"
+    CONTAINER_RUNTIME_ENDPOINT="unix://$SOCK" BULKHEAD_DEMO_IMAGE="$IMAGE" \
+        BULKHEAD_DEMO_SANDBOX_IMAGE="$PAUSE" "${CMD[@]}"
     status=$?
     set -e
     if ((status != 0)); then
@@ -234,7 +236,7 @@ if ((CRI)); then
 fi
 
 ctr -a "$SOCK" images import --no-unpack=false "$WORK/image.tar" >/dev/null
-ctr -a "$SOCK" images ls -q | grep -qx "$IMAGE" || die "the image was not imported"
+ctr -a "$SOCK" images ls -q | grep -x "$IMAGE" >/dev/null || die "the image was not imported"
 
 # --- 4. the container, in a microVM ---
 RUNTIME=(--snapshotter native --runtime io.containerd.bulkhead.v2)
@@ -277,7 +279,7 @@ wait_status() { # ID STATUS: up to 60 s ("" waits for the task to be gone)
 shim_pid() {
     local p
     for p in /proc/[0-9]*; do
-        if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -- "containerd-shim-bulkhead-v2 .*-id $1 "; then
+        if tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -- "containerd-shim-bulkhead-v2 .*-id $1 " >/dev/null; then
             echo "${p#/proc/}"
             return 0
         fi

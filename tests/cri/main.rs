@@ -6,7 +6,8 @@
 //!   bulkhead-cri-check [SOCKET IMAGE]
 //!
 //! SOCKET defaults to `$CONTAINER_RUNTIME_ENDPOINT` (without its `unix://`), IMAGE to
-//! `$BULKHEAD_DEMO_IMAGE` (what `scripts/containerd-demo.sh --cri` sets). IMAGE runs `sleep`; the
+//! `$BULKHEAD_DEMO_IMAGE` (what `scripts/containerd-demo.sh --cri` sets). It first waits until
+//! the CRI plugin lists IMAGE and `$BULKHEAD_DEMO_SANDBOX_IMAGE` (when set). IMAGE runs `sleep`; the
 //! pod sandbox image is containerd's configured one. Prints one line per
 //! finding, for the guest test that runs it in the test host (`tests/guest/shim.rs`, through
 //! `scripts/containerd-demo.sh --cri`):
@@ -27,12 +28,13 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
+use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
-    LinuxPodSandboxConfig, LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption,
-    PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest,
-    StartContainerRequest, StopPodSandboxRequest, VersionRequest,
+    ImageStatusRequest, LinuxPodSandboxConfig, LinuxSandboxSecurityContext, NamespaceMode,
+    NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest,
+    RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest, VersionRequest,
 };
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -86,7 +88,7 @@ fn main() {
 }
 
 /// A gRPC channel over the Unix socket `path` (the URI is only a placeholder).
-async fn connect(path: PathBuf) -> Fallible<Client> {
+async fn channel(path: PathBuf) -> Fallible<Channel> {
     let channel = Endpoint::try_from("http://localhost")?
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
@@ -96,7 +98,35 @@ async fn connect(path: PathBuf) -> Fallible<Client> {
             }
         }))
         .await?;
-    Ok(RuntimeServiceClient::new(channel))
+    Ok(channel)
+}
+
+/// Waits (up to 60 s) until the CRI plugin lists each of `images`: it learns of imported images
+/// from containerd's events, so a pod started right after an import could find no sandbox
+/// image and try to pull it (no registry is reachable here).
+async fn wait_for_images(channel: Channel, images: &[&str]) -> Fallible<()> {
+    let mut service = ImageServiceClient::new(channel);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for image in images {
+        loop {
+            let request = ImageStatusRequest {
+                image: Some(ImageSpec {
+                    image: (*image).to_owned(),
+                    ..Default::default()
+                }),
+                verbose: false,
+            };
+            let status = call("ImageStatus", service.image_status(request).await)?;
+            if status.image.is_some() {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the CRI plugin does not list {image} after 60 s").into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(())
 }
 
 /// Names a failed call in its error.
@@ -107,7 +137,14 @@ fn call<T>(what: &str, result: Result<tonic::Response<T>, tonic::Status>) -> Fal
 }
 
 async fn check(socket: PathBuf, image: &str) -> Fallible<()> {
-    let mut cri = connect(socket).await?;
+    let channel = channel(socket).await?;
+    let sandbox_image = std::env::var("BULKHEAD_DEMO_SANDBOX_IMAGE").unwrap_or_default();
+    let images: Vec<&str> = [image, sandbox_image.as_str()]
+        .into_iter()
+        .filter(|i| !i.is_empty())
+        .collect();
+    wait_for_images(channel.clone(), &images).await?;
+    let mut cri = RuntimeServiceClient::new(channel);
     let version = call("Version", cri.version(VersionRequest::default()).await)?;
     println!(
         "version: {} {}",
