@@ -18,7 +18,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 
 use bulkhead_protocol::{EGRESS_PORT, GUEST_PROXY_PORT};
@@ -47,6 +47,28 @@ impl Upstream {
             Upstream::Unix(path) => UnixStream::connect(path).map(OwnedFd::from),
         }
     }
+}
+
+/// Whether this guest's relay ([`start_guest_relay`]) runs.
+static GUEST_RELAY: Mutex<bool> = Mutex::new(false);
+
+/// Starts the guest's relay, `127.0.0.1:3128` → the host's proxy over vsock, unless it already
+/// runs: at boot for `bulkhead.egress=on`, and when a restored guest is told that its host now
+/// runs a proxy (`RestoredRequest::egress`; the snapshot's guest may have booted with the relay
+/// or without it). Brings the loopback interface up first. The same thread-mask rule as for
+/// [`start`] applies.
+///
+/// # Errors
+/// When the loopback interface cannot be brought up or the listener cannot be bound.
+pub fn start_guest_relay() -> io::Result<()> {
+    let mut running = GUEST_RELAY.lock().unwrap_or_else(PoisonError::into_inner);
+    if *running {
+        return Ok(());
+    }
+    loopback_up()?;
+    start(guest_address(), Upstream::Vsock)?;
+    *running = true;
+    Ok(())
 }
 
 /// The relay's listening address in the guest: `127.0.0.1:3128`.

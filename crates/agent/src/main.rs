@@ -147,7 +147,7 @@ fn run_pid1(started: BootTimestamps) -> ! {
         // After the reaper: the relay's threads inherit the blocked SIGCHLD, so they never take
         // the signal the reaper waits for. No command runs without the promised network.
         loopback.unwrap_or_else(|e| fatal("egress: loopback", &e));
-        egress::start(egress::guest_address(), egress::Upstream::Vsock)
+        egress::start_guest_relay()
             .unwrap_or_else(|e| fatal("egress: listen on 127.0.0.1:3128", &e));
     }
     let listener = match vsock::listen(AGENT_PORT) {

@@ -59,6 +59,7 @@ fn every_kind_of_frame() -> Vec<Frame> {
                 "bulkhead.workspace=workspace:/workspace:clone".into(),
                 "bulkhead.mount=mount0:/data:ro".into(),
             ],
+            egress: true,
         }),
         Frame::Restored(RestoredRequest::new(vec![0; 32], u64::MAX)),
         Frame::Started(Started { pid: 42 }),
@@ -127,6 +128,7 @@ fn restored_without_a_hostname_decodes_with_none() {
             realtime_ns: 7,
             hostname: None,
             share_params: Vec::new(),
+            egress: false,
         })
     );
 }

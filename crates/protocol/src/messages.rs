@@ -320,6 +320,17 @@ pub struct RestoredRequest {
     /// restored the VM). Empty (and absent on the wire) when the restore mounts nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub share_params: Vec<String>,
+    /// Start the egress relay (`127.0.0.1:3128` → CID 2, port [`crate::EGRESS_PORT`]) now, as
+    /// the boot parameter `bulkhead.egress=on` would have: the host runs an egress proxy for
+    /// this restored sandbox. Nothing changes when the relay already runs (the snapshot's
+    /// guest booted with it). `false` (and absent on the wire) otherwise.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub egress: bool,
+}
+
+/// `skip_serializing_if` helper: leaves a `false` flag off the wire.
+fn is_false(flag: &bool) -> bool {
+    !*flag
 }
 
 impl RestoredRequest {
@@ -331,6 +342,7 @@ impl RestoredRequest {
             realtime_ns,
             hostname: None,
             share_params: Vec::new(),
+            egress: false,
         }
     }
 }
@@ -343,6 +355,7 @@ impl fmt::Debug for RestoredRequest {
             .field("realtime_ns", &self.realtime_ns)
             .field("hostname", &self.hostname)
             .field("share_params", &self.share_params)
+            .field("egress", &self.egress)
             .finish()
     }
 }
