@@ -1,17 +1,29 @@
 //! `bulkhead template create` and `bulkhead run --template` with host directories: the
-//! template's share slots take a clone or direct `--workspace` and `--mount`s at restore time.
+//! template's share slots take a clone or direct `--workspace` and `--mount`s at restore time,
+//! and the network flags give a clone an egress proxy of its own.
 
 use std::fs;
 use std::path::Path;
 use std::process::{Command, Output};
 
+use bulkhead_egress::policy::Verdict;
+use bulkhead_egress::testing::{TestCa, TestServer};
+use bulkhead_egress::GUEST_CA_CERT_PATH;
 use bulkhead_tests::{artifacts, describe, guest_test};
 
 /// uid:gid of the direct workspace: root may not share a root-owned directory read-write.
 const OWNER: (u32, u32) = (1000, 1000);
 
+/// A secret's value on the host: a clone's environment gets a placeholder instead.
+const SECRET: &str = "bulkhead-template-secret-51c0";
+
 /// `bulkhead ARGS` with the test's kernel, agent initramfs and VMM, templates in `data`.
 fn bulkhead(data: &Path, args: &[&str]) -> Output {
+    bulkhead_with_env(data, args, &[])
+}
+
+/// [`bulkhead`] with the variables `env` set too.
+fn bulkhead_with_env(data: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let a = artifacts();
     Command::new(&a.cli)
         .args(args)
@@ -19,6 +31,7 @@ fn bulkhead(data: &Path, args: &[&str]) -> Output {
         .env("BULKHEAD_INITRD", &a.agent_initrd)
         .env("BULKHEAD_VMM", &a.vmm)
         .env("BULKHEAD_DATA_DIR", data)
+        .envs(env.iter().copied())
         .output()
         .expect("run bulkhead")
 }
@@ -158,5 +171,88 @@ guest_test!(
             stderr.contains("1 share slots") && stderr.contains("--share-slots"),
             "{stderr}"
         );
+    }
+);
+
+/// The value of `key=` on the guest's report line `key=value`.
+fn field<'a>(stdout: &'a str, key: &str) -> &'a str {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
+        .trim()
+}
+
+guest_test!(
+    fn a_clone_with_network_flags_gets_its_own_proxy_and_one_without_has_none() {
+        // Arrange: a template booted without a network; the egress test server's plain-HTTP
+        // port on the test host's loopback, allowed by CIDR and port.
+        let data = tempfile::tempdir().unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let server = runtime.block_on(TestServer::start(&TestCa::new()));
+        let (http, other) = (server.http_port, server.tls_port);
+        let created = bulkhead(data.path(), &["template", "create", "net"]);
+        assert!(created.status.success(), "{}", describe(&created));
+        let log = data.path().join("egress.jsonl");
+        let (allowed, log_arg) = (format!("127.0.0.1/32:{http}"), log.display().to_string());
+        let script = format!(
+            "echo got=$(wget -q -O - http://127.0.0.1:{http}/echo-auth)
+             echo denied=$(wget -q -O - http://127.0.0.1:{other}/ 2>&1 | grep -c 403)
+             echo placeholder=$TOKEN
+             echo ca=$(grep -c 'BEGIN CERTIFICATE' {GUEST_CA_CERT_PATH})"
+        );
+        let bare_script = "echo proxy_vars=$(env | grep -ci _proxy)
+             wget -q -O - http://127.0.0.1:3128/ >/dev/null 2>&1; echo relay_exit=$?";
+
+        // Act
+        let with = bulkhead_with_env(
+            data.path(),
+            &[
+                "run",
+                "--template",
+                "net",
+                "--allow-cidr",
+                &allowed,
+                "--secret",
+                "TOKEN=api.test",
+                "--egress-log",
+                &log_arg,
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ],
+            &[("TOKEN", SECRET)],
+        );
+        let without = bulkhead(
+            data.path(),
+            &["run", "--template", "net", "--", "sh", "-c", bare_script],
+        );
+
+        // Assert: the clone fetched through its proxy (which logged both decisions), had a
+        // placeholder for the secret and the proxy's CA; the bare clone has no way out.
+        assert!(with.status.success(), "{}", describe(&with));
+        let stdout = String::from_utf8_lossy(&with.stdout).into_owned();
+        assert_eq!(field(&stdout, "got"), "echoed", "{}", describe(&with));
+        assert_eq!(field(&stdout, "denied"), "1", "{}", describe(&with));
+        let placeholder = field(&stdout, "placeholder");
+        assert!(!placeholder.is_empty() && !placeholder.contains(SECRET));
+        assert_eq!(field(&stdout, "ca"), "1", "{}", describe(&with));
+        let entries = bulkhead_egress::read_log(&log).expect("the egress log");
+        let decided = |port: u16, decision: Verdict| {
+            entries
+                .iter()
+                .any(|e| e.port == port && e.decision == decision)
+        };
+        assert!(decided(http, Verdict::Allow), "{entries:?}");
+        assert!(decided(other, Verdict::Deny), "{entries:?}");
+        assert!(without.status.success(), "{}", describe(&without));
+        let bare = String::from_utf8_lossy(&without.stdout).into_owned();
+        assert_eq!(field(&bare, "proxy_vars"), "0", "{}", describe(&without));
+        assert_ne!(field(&bare, "relay_exit"), "0", "something listens on 3128");
     }
 );

@@ -44,22 +44,13 @@ pub const MAX_VCPUS: u8 = bulkhead_vmm::config::MAX_VCPUS;
 
 /// The flags of `bulkhead run` that a restore from a template cannot honour yet
 /// (`--template` conflicts with each).
-const TEMPLATE_CONFLICTS: [&str; 15] = [
+const TEMPLATE_CONFLICTS: [&str; 6] = [
     "kernel",
     "initrd",
     "kernel_args",
     "image",
     "scratch_mib",
     "disk_files",
-    "network",
-    "allow",
-    "deny",
-    "allow_cidr",
-    "secret",
-    "policy",
-    "add_host",
-    "secret_files",
-    "egress_log",
 ];
 
 /// Arguments of `bulkhead run`.
@@ -70,8 +61,8 @@ pub struct RunArgs {
     /// Restore a clone of template NAME (`bulkhead template create`) instead of booting: the
     /// guest continues where the template's preparation left it. Its memory and vCPUs are the
     /// template's; --mount and --workspace are attached to the template's share slots (see
-    /// `template create --share-slots`); what a restore cannot give yet (disks, images, a
-    /// network, another kernel) is refused.
+    /// `template create --share-slots`); the network flags give the clone a proxy of its own;
+    /// what a restore cannot give yet (disks, images, another kernel) is refused.
     #[arg(
         long,
         value_name = "NAME",

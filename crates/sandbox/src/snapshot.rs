@@ -19,8 +19,11 @@
 //! snapshot's two files read-only.
 //!
 //! A restore can attach host directories (mounts, a workspace) to the idle virtio-fs devices
-//! that a sandbox started with [`SandboxConfig::share_slots`] keeps for them ([`slots`]). Not
-//! yet: restoring with a network or disks; it is refused with an error that says so.
+//! that a sandbox started with [`SandboxConfig::share_slots`] keeps for them ([`slots`]), and
+//! give the clone a network: its own egress proxy (a new per-sandbox CA, new placeholders),
+//! started before the VMM as for a boot; the agent starts its relay when told so in the
+//! `RestoredRequest` and the new CA is added to the guest's trust ([`crate::egress`]). Not yet:
+//! restoring with disks or an image; the callers refuse those.
 
 use std::fs;
 use std::io::{self, Read};
@@ -35,6 +38,7 @@ use bulkhead_vmm::control::{self, Request};
 use bulkhead_vmm::snapshot::SnapshotRequest;
 use serde::{Deserialize, Serialize};
 
+use crate::egress::{self, install_egress_ca, start_egress};
 use crate::jail::{self, Jail};
 use crate::phases::Timings;
 use crate::process::{self, SpawnOptions};
@@ -168,11 +172,13 @@ impl Sandbox {
     /// restored and made distinct (entropy, clock, hostname; see the module docs) and mounts
     /// `config`'s mounts and workspace, attached to the snapshot's share slots. `config` gives
     /// the VMM binary, runtime directory, console, timeout and cgroups; its memory and vCPUs
-    /// must be the snapshot's.
+    /// must be the snapshot's. With `config.egress` the clone gets a network of its own (see the
+    /// module docs).
     ///
     /// # Errors
-    /// [`Error::Snapshot`] for a directory that is no snapshot, a size mismatch, too few share
-    /// slots, or a setting restores cannot honour yet (a network); [`Error::Mount`] and
+    /// [`Error::Snapshot`] for a directory that is no snapshot, a size mismatch or too few share
+    /// slots; [`Error::Egress`] when the proxy cannot start or its CA cannot be installed;
+    /// [`Error::Mount`] and
     /// [`Error::Workspace`] for unusable directories; [`Error::VmExited`] with
     /// the VMM's log when the restore fails (a corrupt or truncated snapshot, another CPU);
     /// [`Error::ReadyTimeout`]. Nothing is left running or on disk when this fails.
@@ -200,6 +206,12 @@ impl Sandbox {
             }
             false => Vec::new(),
         };
+        // Listening before the guest resumes; stopped (dropped) if anything below fails.
+        let egress = start_egress(config, runtime.path(), &uds_path)?;
+        let egress_log = config
+            .egress
+            .as_ref()
+            .map(|settings| egress::log_path(settings, runtime.path()));
         let mut launch = restore_args(config, dir, runtime.path(), &uds_path);
         launch.extend(attached.args());
         let launch: Vec<&std::ffi::OsStr> = launch.iter().map(|a| a.as_os_str()).collect();
@@ -230,11 +242,14 @@ impl Sandbox {
             },
             clock: None,
             first_output: OnceLock::new(),
-            egress: None,
-            egress_log: None,
+            egress,
+            egress_log,
         };
-        // Dropping the sandbox on an error stops the VMM and removes the runtime directory.
+        // Dropping the sandbox on an error stops the VMM and the proxy and removes the runtime
+        // directory.
         sandbox.tell_restored(config, &attached.params)?;
+        let client = AgentClient::hybrid(&sandbox.uds_path).with_timeout(config.ready_timeout);
+        install_egress_ca(&client, sandbox.egress.as_ref())?;
         sandbox.timings.ready = started.elapsed();
         Ok(sandbox)
     }
@@ -250,6 +265,7 @@ impl Sandbox {
             attempts += 1;
             let mut request = restored_request(config.hostname.clone())?;
             request.share_params = shares.to_vec();
+            request.egress = config.egress.is_some();
             let tried = Instant::now();
             let attempt = client.restored(&request);
             match attempt {
@@ -316,9 +332,6 @@ fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), E
             manifest.vcpus, config.vcpus
         ));
     }
-    if config.egress.is_some() {
-        return refuse("a restored sandbox cannot have a network yet".into());
-    }
     Ok(())
 }
 
@@ -372,6 +385,7 @@ pub fn restored_request(hostname: Option<String>) -> Result<RestoredRequest, Err
         .unwrap_or(u64::MAX),
         hostname,
         share_params: Vec::new(),
+        egress: false,
     })
 }
 

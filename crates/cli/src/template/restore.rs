@@ -3,13 +3,13 @@
 //!
 //! A restore gives the clone the template's memory and vCPUs, a fresh hostname, entropy and
 //! clock (see `bulkhead_sandbox::snapshot`), and the run's environment, user, working directory,
-//! console, limits, mounts and workspace (attached to the template's share slots); it cannot yet
-//! give it disks, an image or a network.
+//! console, limits, mounts and workspace (attached to the template's share slots) and network
+//! (an egress proxy of its own); it cannot yet give it disks or an image.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use bulkhead_sandbox::spec::{limits_of, new_id, resolve_shares};
+use bulkhead_sandbox::spec::{egress_settings, limits_of, new_id, resolve_shares};
 use bulkhead_sandbox::{
     ExecDefaults, HostSettings, Recipe, Sandbox, SandboxConfig, SandboxSpec, Storage, Timings,
 };
@@ -65,7 +65,9 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
             return Err(e);
         }
     };
-    let request = run::exec_request(args, &recipe.exec);
+    // With a network, the proxy's variables and the secrets' placeholders exist only now.
+    let defaults = recipe.exec.clone().with_network(sandbox.egress_env());
+    let request = run::exec_request(args, &defaults);
     let patience = run::agent_patience(args.machine.boot_timeout);
     let first_output = OnceLock::new();
     let outcome = run::execute(&mut sandbox, &request, &router, patience, &first_output);
@@ -116,12 +118,12 @@ pub fn sizes(
 }
 
 /// The recipe of sandbox `id` restored from `template`: `spec`'s sizes (the template's, see
-/// [`sizes`]), hostname, environment, user, working directory, limits, mounts and workspace on
-/// `host` (VMM, runtime directory, console, timeout, jail). Its kernel and initramfs are the
-/// template's, for the record: a restore reads neither. Nothing is started.
+/// [`sizes`]), hostname, environment, user, working directory, limits, mounts, workspace and
+/// network on `host` (VMM, runtime directory, console, timeout, jail, secrets). Its kernel and
+/// initramfs are the template's, for the record: a restore reads neither. Nothing is started.
 ///
 /// # Errors
-/// An invalid spec (environment, hostname, limits, shares).
+/// An invalid spec (environment, hostname, limits, shares, network rules, unknown secrets).
 pub fn restore_recipe(
     spec: &SandboxSpec,
     host: &HostSettings,
@@ -144,6 +146,7 @@ pub fn restore_recipe(
         jail: host.jail,
         mounts,
         workspace,
+        egress: egress_settings(spec, host).map_err(|e| e.to_string())?,
         ..SandboxConfig::default()
     };
     Ok(Recipe {

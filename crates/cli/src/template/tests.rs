@@ -107,17 +107,12 @@ fn create_takes_its_preparation_command_after_the_double_dash_only() {
 #[test]
 fn run_template_refuses_every_flag_a_restore_cannot_honour() {
     // Arrange
-    let refused: [&[&str]; 10] = [
+    let refused: [&[&str]; 5] = [
         &["--image", "debian"],
         &["--kernel", "/k"],
         &["--initrd", "/i"],
         &["--kernel-arg", "quiet"],
         &["--disk-file", "/d.img"],
-        &["--allow", "example.com"],
-        &["--secret", "T=example.com"],
-        &["--network", "allow-all"],
-        &["--policy", "p.toml"],
-        &["--egress-log", "e.jsonl"],
     ];
 
     for flags in refused {
@@ -481,4 +476,68 @@ fn a_restore_gets_the_runs_environment_user_and_directory_on_the_templates_machi
     assert_eq!(request.user.as_deref(), Some("1000"));
     assert_eq!(request.cwd, Some("/srv".into()));
     assert_eq!(request.argv, ["true"]);
+}
+
+#[test]
+fn a_restore_recipe_with_network_flags_gets_the_proxy_settings() {
+    // Arrange
+    let template = Template {
+        dir: PathBuf::from("/t/py"),
+        manifest: manifest("py"),
+    };
+    let args = crate::run::tests::run_args(&[
+        "--template",
+        "py",
+        "--network",
+        "allowlist",
+        "--allow",
+        "api.test:8443",
+        "--allow-cidr",
+        "127.0.0.1/32",
+        "--",
+        "true",
+    ]);
+    let (vcpus, memory_mib) = sizes(None, None, &template.manifest).unwrap();
+    let spec = bulkhead_sandbox::SandboxSpec {
+        vcpus,
+        memory_mib,
+        ..crate::run::sandbox_spec(&args).unwrap()
+    };
+    let host = crate::run::host_settings(&args, &spec).unwrap();
+
+    // Act
+    let recipe = restore_recipe(&spec, &host, &template, "0123456789ab").unwrap();
+
+    // Assert
+    let egress = recipe
+        .config
+        .egress
+        .expect("a network with --network allowlist");
+    let policy = format!("{:?}", egress.policy);
+    assert!(policy.contains("api.test"), "{policy}");
+}
+
+#[test]
+fn a_restore_recipe_with_an_unknown_secret_is_refused_before_anything_starts() {
+    // Arrange
+    let args = crate::run::tests::run_args(&[
+        "--template",
+        "py",
+        "--network",
+        "allowlist",
+        "--allow",
+        "api.test",
+        "--secret",
+        "BULKHEAD_TEST_UNSET_SECRET_1=api.test",
+        "--",
+        "true",
+    ]);
+    let spec = crate::run::sandbox_spec(&args).unwrap();
+
+    // Act
+    let host = crate::run::host_settings(&args, &spec);
+
+    // Assert
+    let err = host.expect_err("an unset secret variable must be refused");
+    assert!(err.contains("BULKHEAD_TEST_UNSET_SECRET_1"), "{err}");
 }
