@@ -110,8 +110,9 @@ pub struct CreateSandbox {
     /// Name of a template in the daemon's `<state_dir>/templates/` (a snapshot of a booted,
     /// prepared sandbox, as `bulkhead template create` makes): the sandbox is restored from it
     /// instead of booted, and continues where the template's preparation left it. Its kernel,
-    /// guest memory and vCPUs are the template's; `kernel`, `image`, `disk_mib`, `workspace`,
-    /// `mounts` and `network` are not supported with a template yet. None: boot.
+    /// guest memory and vCPUs are the template's; `workspace` and `mounts` go to its share slots,
+    /// `network` gets the clone a proxy of its own; `kernel`, `image` and `disk_mib` are not
+    /// supported with a template yet. None: boot.
     #[serde(default)]
     pub template: Option<String>,
 }

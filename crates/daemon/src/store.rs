@@ -170,6 +170,9 @@ impl RecordV1 {
 /// Directory of the paused sandboxes' saved VMs in the state directory.
 pub const PAUSED_DIR: &str = "paused";
 
+/// The records' directory in the state dir.
+const SANDBOXES_DIR: &str = "sandboxes";
+
 /// How long [`Store::open`] retries a held state-dir lock before reporting
 /// [`StoreError::Locked`].
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -182,6 +185,17 @@ pub struct Store {
     _lock: fs::File,
 }
 
+/// Where the daemon keeps the egress log of sandbox `id` (JSON lines, written by its proxy):
+/// `<state_dir>/sandboxes/<id>.egress.jsonl`, beside its record, so that it outlives the VM's
+/// runtime directory (a pause, a failed VM) and is removed with the record.
+pub fn egress_log_path(state_dir: &Path, id: &str) -> PathBuf {
+    state_dir.join(SANDBOXES_DIR).join(egress_log_name(id))
+}
+
+fn egress_log_name(id: &str) -> String {
+    format!("{id}.egress.jsonl")
+}
+
 impl Store {
     /// Creates `<state_dir>/sandboxes` and `<state_dir>/paused` (mode 0700) and takes the state
     /// dir's lock (`<state_dir>/bulkheadd.lock`, flock(2)), so two daemons never share one state
@@ -191,7 +205,7 @@ impl Store {
     /// # Errors
     /// [`StoreError::Locked`] when another daemon holds it; [`StoreError::Io`].
     pub fn open(state_dir: &Path) -> Result<Store, StoreError> {
-        let dir = state_dir.join("sandboxes");
+        let dir = state_dir.join(SANDBOXES_DIR);
         let paused = state_dir.join(PAUSED_DIR);
         create_private_dir(state_dir)?;
         create_private_dir(&dir)?;
@@ -249,16 +263,18 @@ impl Store {
         fs::rename(&tmp, &path).map_err(io_err(&path))
     }
 
-    /// Removes the record of `id` (no error when absent).
+    /// Removes the record of `id` and its egress log (no error when absent).
     ///
     /// # Errors
     /// [`StoreError::Io`].
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
-        let path = self.path_of(id);
-        match fs::remove_file(&path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(&path)(e)),
-            _ => Ok(()),
+        for path in [self.path_of(id), self.dir.join(egress_log_name(id))] {
+            match fs::remove_file(&path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err(&path)(e)),
+                _ => {}
+            }
         }
+        Ok(())
     }
 
     /// Every readable record. Unreadable ones are logged and left in place for an operator.
@@ -288,6 +304,11 @@ impl Store {
     /// The record file of `id`.
     pub fn path_of(&self, id: &str) -> PathBuf {
         self.dir.join(format!("{id}.json"))
+    }
+
+    /// The egress log of sandbox `id` ([`egress_log_path`]).
+    pub fn egress_log_of(&self, id: &str) -> PathBuf {
+        self.dir.join(egress_log_name(id))
     }
 
     /// Where the VM of sandbox `id` is saved while it is paused: `<state_dir>/paused/<id>`.

@@ -366,15 +366,31 @@ fn sh(daemon: &TestDaemon, id: &str, script: &str) -> String {
 
 vm_test!(
     fn a_paused_real_vm_has_no_vmm_and_resumes_with_its_files_and_processes() {
-        // Arrange: a file in guest RAM and a process left running.
+        // Arrange: a sandbox with a network (a plain-HTTP test server on the test host's
+        // loopback allowed), a file in guest RAM and a process left running.
+        let server_rt = multi_rt();
+        let ca = bulkhead_egress::testing::TestCa::new();
+        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
+        let port = server.http_port;
         let daemon = real_daemon("", &[]);
         let client = daemon.client();
         let rt = rt();
-        let sb = rt.block_on(client.create(&small(64))).unwrap();
+        let request = bulkhead_client::CreateSandbox {
+            network: Some(bulkhead_client::NetworkRequest {
+                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
+                ..Default::default()
+            }),
+            ..small(64)
+        };
+        let sb = rt.block_on(client.create(&request)).unwrap();
+        let fetch = format!("wget -q -O - http://127.0.0.1:{port}/");
         sh(
             &daemon,
             &sb.id,
-            "echo 42 > /tmp/x; sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > /tmp/pid",
+            &format!(
+                "{fetch} >/dev/null; echo 42 > /tmp/x; \
+                 sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > /tmp/pid"
+            ),
         );
         let old_vmm = sb.vmm_pid.unwrap();
 
@@ -384,6 +400,8 @@ vm_test!(
         let resumed = rt.block_on(client.resume(&sb.id));
         let file = sh(&daemon, &sb.id, "cat /tmp/x");
         let sleeper = sh(&daemon, &sb.id, "kill -0 $(cat /tmp/pid) && echo alive");
+        let fetched = sh(&daemon, &sb.id, &fetch);
+        let log = rt.block_on(client.egress_log(&sb.id)).unwrap();
         let paused_again = rt.block_on(client.pause(&sb.id));
         rt.block_on(client.delete(&sb.id)).unwrap();
 
@@ -407,6 +425,12 @@ vm_test!(
         assert_eq!(resumed.state, SandboxState::Running);
         assert_eq!(file, "42\n");
         assert_eq!(sleeper, "alive\n", "the process started before the pause");
+        assert!(
+            fetched.contains("hello from the test server"),
+            "no way out after the resume: {fetched:?}"
+        );
+        let allowed = log.lines().filter(|l| l.contains("\"allow\"")).count();
+        assert_eq!(allowed, 2, "one request before the pause, one after: {log}");
         assert_eq!(
             paused_again.unwrap_or_else(|e| fail(e)).state,
             SandboxState::Paused
@@ -423,9 +447,15 @@ vm_test!(
 vm_test!(
     /// A warm pool of one real clone: the create is a hand-out of the clone restored before it
     /// (the template's file is there, the request's hostname and environment apply), the pool
-    /// refills, and shutdown leaves nothing.
+    /// refills, and shutdown leaves nothing. A create of the template with a network is no
+    /// hand-out: it is restored with an egress proxy of its own and reaches what it allows.
     fn a_real_pooled_clone_is_handed_out_with_the_templates_files_and_its_own_hostname() {
-        // Arrange: template `base` (its guest wrote /tmp/x), a daemon keeping a clone of it.
+        // Arrange: template `base` (its guest wrote /tmp/x), a daemon keeping a clone of it, a
+        // plain-HTTP test server on the test host's loopback for the networked clone.
+        let server_rt = multi_rt();
+        let ca = bulkhead_egress::testing::TestCa::new();
+        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
+        let port = server.http_port;
         let (mut daemon, _) = real_pool_daemon(1);
         let client = daemon.client();
         let rt = rt();
@@ -437,6 +467,15 @@ vm_test!(
             ..bulkhead_client::CreateSandbox::default()
         };
         request.env.insert("GREETING".into(), "hi".into());
+        let networked = bulkhead_client::CreateSandbox {
+            template: Some("base".into()),
+            network: Some(bulkhead_client::NetworkRequest {
+                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
+                ..Default::default()
+            }),
+            ..bulkhead_client::CreateSandbox::default()
+        };
+        let fetch = format!("cat /tmp/x; wget -q -O - http://127.0.0.1:{port}/");
 
         // Act
         let started = Instant::now();
@@ -445,7 +484,12 @@ vm_test!(
         let seen = sh(&daemon, &pooled.id, "cat /tmp/x; hostname; echo $GREETING");
         let refilled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
         rt.block_on(client.delete(&pooled.id)).unwrap();
-        let vmms = vec![pooled.vmm_pid.unwrap()];
+        let with_network = rt
+            .block_on(client.create(&networked))
+            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let fetched = sh(&daemon, &with_network.id, &fetch);
+        rt.block_on(client.delete(&with_network.id)).unwrap();
+        let vmms = vec![pooled.vmm_pid.unwrap(), with_network.vmm_pid.unwrap()];
         let stopped = daemon.terminate();
 
         // Assert
@@ -458,6 +502,15 @@ vm_test!(
             daemon.log()
         );
         assert_eq!(seen, "42\npooled-1\nhi\n");
+        assert!(
+            fetched.starts_with("42\n") && fetched.contains("hello from the test server"),
+            "{fetched}"
+        );
+        assert_eq!(with_network.template.as_deref(), Some("base"));
+        assert!(!daemon
+            .log()
+            .lines()
+            .any(|l| l.contains(&with_network.id) && l.contains("(from the pool)")));
         assert!(refilled, "{}", daemon.log());
         assert!(stopped, "{}", daemon.log());
         assert_eq!(daemon.leftovers(&vmms), Vec::<String>::new());

@@ -318,8 +318,9 @@ impl Manager {
             .unwrap_or_default())
     }
 
-    /// The egress log of sandbox `id` (JSON lines), also after its VM ended (until it is
-    /// destroyed).
+    /// The egress log of sandbox `id` (JSON lines), also after its VM ended and while it is
+    /// paused (until it is destroyed): `<state_dir>/sandboxes/<id>.egress.jsonl`, or for a
+    /// sandbox started by a daemon before 2026-12-05, the log in its runtime directory.
     ///
     /// # Errors
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`], [`ManagerError::Conflict`] when
@@ -337,14 +338,16 @@ impl Manager {
                 state: "without a network",
             });
         }
-        let Some(dir) = runtime_dir else {
-            return Ok(String::new());
-        };
-        match std::fs::read_to_string(dir.join(bulkhead_sandbox::egress::EGRESS_LOG)) {
-            Ok(text) => Ok(text),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
-            Err(e) => Err(ManagerError::Internal(format!("egress log of {id}: {e}"))),
+        let older = runtime_dir.map(|dir| dir.join(bulkhead_sandbox::egress::EGRESS_LOG));
+        let paths = [Some(self.inner.store.egress_log_of(&entry.id)), older];
+        for path in paths.iter().flatten() {
+            match std::fs::read_to_string(path) {
+                Ok(text) => return Ok(text),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(ManagerError::Internal(format!("egress log of {id}: {e}"))),
+            }
         }
+        Ok(String::new())
     }
 
     /// Boots a sandbox, or restores it from the template the request names; returns once its

@@ -37,7 +37,7 @@ impl Manager {
     /// # Errors
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`]; [`ManagerError::Conflict`] when
     /// it is neither running nor paused; [`ManagerError::Unsupported`] for a sandbox whose VM
-    /// cannot be restored yet (workspace, mounts, network, root filesystem image) or whose VMM
+    /// cannot be restored yet (workspace, mounts, root filesystem image) or whose VMM
     /// cannot save it; [`ManagerError::Internal`] when saving failed (the VM is lost and the
     /// sandbox `failed`).
     pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
@@ -180,7 +180,6 @@ fn pausable(id: &str, spec: &SandboxSpec, runtime: Option<&Path>) -> Result<(), 
     let blockers: Vec<&str> = [
         ("a workspace", spec.workspace.is_some()),
         ("mounts", !spec.mounts.is_empty()),
-        ("a network", spec.has_network()),
         ("a root filesystem image", spec.image.is_some()),
     ]
     .iter()

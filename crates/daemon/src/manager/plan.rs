@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use super::{images, ManagerError};
 use crate::config::Config;
+use crate::store;
 use crate::util;
 
 /// Least guest RAM, MiB (a kernel and the agent need a few MiB; below this nothing boots).
@@ -281,13 +282,15 @@ pub fn recipe_of(
     let mut host = host_settings(config, facts);
     host.runtime_dir = host.runtime_dir.join(id);
     host.secrets = secret_values(config, spec)?;
+    host.egress_log = Some(store::egress_log_path(&config.state_dir, id));
     let recipe = spec::build(spec, &host, id).map_err(spec_error)?;
     check_memory_available(spec, &recipe, facts, config)?;
     Ok(recipe)
 }
 
-/// The egress proxy's settings of a recorded sandbox's `spec` (its secrets read again from the
-/// daemon's `[secrets]`), for a restarted daemon that adopts it; `None` without a network.
+/// The egress proxy's settings of recorded sandbox `id`'s `spec` (its secrets read again from
+/// the daemon's `[secrets]`, its log where it was), for a restarted daemon that adopts it;
+/// `None` without a network.
 ///
 /// # Errors
 /// As [`plan`] for the network: a secret the configuration no longer has, or one that cannot
@@ -295,9 +298,11 @@ pub fn recipe_of(
 pub fn network_settings(
     config: &Config,
     spec: &SandboxSpec,
+    id: &str,
 ) -> Result<Option<EgressSettings>, ManagerError> {
     let mut host = host_settings(config, host_facts(config));
     host.secrets = secret_values(config, spec)?;
+    host.egress_log = Some(store::egress_log_path(&config.state_dir, id));
     spec::egress_settings(spec, &host).map_err(spec_error)
 }
 

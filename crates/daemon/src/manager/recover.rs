@@ -126,7 +126,7 @@ impl Manager {
     /// a network (its guest's connections are refused), and the error is logged.
     fn restart_network(&self, record: &Record, sandbox: &mut Sandbox) {
         let config = &self.inner.config;
-        let result = match plan::network_settings(config, &record.spec) {
+        let result = match plan::network_settings(config, &record.spec, &record.id) {
             Ok(Some(settings)) => sandbox
                 .restart_network(&settings, NETWORK_RESTART_TIMEOUT)
                 .map_err(|e| e.to_string()),

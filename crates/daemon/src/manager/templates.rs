@@ -88,14 +88,13 @@ pub fn resolve(config: &Config, name: &str) -> Result<Template, ManagerError> {
 /// # Errors
 /// [`ManagerError::Invalid`] for vCPUs or memory other than the template's, for more mounts
 /// than the template has share slots (mounts and a workspace are attached to them when it is
-/// restored), and for settings a restore cannot honour yet (kernel, image, scratch disk,
-/// network).
+/// restored), and for settings a restore cannot honour yet (kernel, image, scratch disk). A
+/// `network` is kept: the clone gets an egress proxy of its own.
 pub fn fit(request: &CreateSandbox, template: &Template) -> Result<CreateSandbox, ManagerError> {
     let unsupported = [
         ("kernel", request.kernel.is_some()),
         ("image", request.image.is_some()),
         ("disk_mib", request.disk_mib.is_some()),
-        ("network", request.network.is_some()),
     ];
     if let Some((field, _)) = unsupported.iter().find(|(_, set)| *set) {
         return Err(ManagerError::Invalid(format!(
