@@ -222,7 +222,8 @@ HOST_SETUP
 # check_console fails unless each printed an ok line.
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-tty run-10mib run-disk run-virtiofs-read
-    run-virtiofs-write run-egress run-publish template-clone clone-distinct clone-clock)
+    run-virtiofs-write run-egress run-publish template-clone clone-distinct clone-clock
+    clone-egress)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -517,6 +518,21 @@ if clock_ok clone-1 && clock_ok clone-2; then
     ok clone-clock "$clocks"
 else
     fail clone-clock "$clocks" /tmp/clone-1.out /tmp/clone-2.out
+fi
+# A clone with a network: the template booted without one; the restore starts a proxy of its
+# own, the agent starts its relay when told so, and busybox wget fetches run-egress's file from
+# the emulated host's httpd (still on 127.0.0.1:8080) through it.
+tcall clone-egress run --template arm64-smoke --boot-timeout "$VMM_TIMEOUT" \
+    --console /tmp/clone-egress.console --allow-cidr 127.0.0.1/32:8080 \
+    --egress-log /tmp/clone-egress.jsonl -- sh -c \
+    'cat /tmp/x; echo "got: $(wget -q -O - http://127.0.0.1:8080/hello.txt)"'
+if [ "$status" = 0 ] && [ "$(head -n1 /tmp/clone-egress.out)" = 42 ] &&
+    grep -qx 'got: bulkhead-egress-ok' /tmp/clone-egress.out &&
+    grep -q '"port":8080.*"decision":"allow"' /tmp/clone-egress.jsonl; then
+    ok clone-egress "the clone read 42 and fetched hello.txt through its own proxy (logged)"
+else
+    fail clone-egress "status $status" /tmp/clone-egress.out /tmp/clone-egress.err \
+        /tmp/clone-egress.jsonl /tmp/clone-egress.console
 fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS
