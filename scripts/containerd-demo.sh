@@ -22,8 +22,11 @@
 #      64 MiB (the guest's MemTotal), one line each on stdout (`exec: ...`, `kill: ...`,
 #      `memory: ...`), the detached task VMM's cgroup and its memory limit (`cgroup: ...`), a page
 #      from busybox httpd in a task whose annotation bulkhead.io/ports=18080:8000 forwards the
-#      host's port 18080 to it (`ingress: ...`), and the resident memory of the first task's shim
-#      and VMM (`rss: ...`);
+#      host's port 18080 to it (`ingress: ...`), a page that a task whose annotation
+#      bulkhead.io/allow-cidr=127.0.0.1/32:18081 lets out fetches through its pod's egress proxy
+#      from busybox httpd on the host's loopback, and the count of 403 answers for a port no rule
+#      names (`egress: PAGE 1`), and the resident memory of the first task's shim and VMM
+#      (`rss: ...`);
 #   6. with --faults: kill -9 of a running task's VMM (the task exits with status 255, `ctr run`
 #      with it; its root is unmounted, its cgroup removed), kill -9 of a running task's shim
 #      (containerd runs the shim's `delete`: the task goes, its VMM stops, its root is unmounted
@@ -437,4 +440,16 @@ ctr -a "$SOCK" task kill -s SIGKILL web
 wait_status web STOPPED || true
 ctr -a "$SOCK" task delete web >/dev/null 2>&1 || true
 ctr -a "$SOCK" container delete web >/dev/null 2>&1 || true
+
+log "ctr run --annotation bulkhead.io/allow-cidr=127.0.0.1/32:18081: egress through the pod's proxy"
+mkdir -p "$WORK/www" && echo hello-egress >"$WORK/www/hello.txt"
+busybox httpd -f -p 127.0.0.1:18081 -h "$WORK/www" &
+httpd_pid=$!
+# The allowed page, then the proxy's 403 for a port no rule names (busybox wget uses http_proxy).
+egress="$(ctr -a "$SOCK" run --rm "${RUNTIME[@]}" \
+    --annotation bulkhead.io/allow-cidr=127.0.0.1/32:18081 "$IMAGE" net sh -c \
+    'wget -q -O - http://127.0.0.1:18081/hello.txt; wget -q -O - http://127.0.0.1:18082/ 2>&1 | grep -c 403')" || true
+kill "$httpd_pid" 2>/dev/null || true
+wait "$httpd_pid" 2>/dev/null || true
+echo "egress:" $egress
 echo "$rss"

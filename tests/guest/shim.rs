@@ -365,6 +365,9 @@ guest_test!(
         );
         // The task's `bulkhead.io/ports` annotation forwards host port 18080 to its server.
         assert_eq!(lines[5], "ingress: hello-ingress", "{}", shown(&uname));
+        // The `bulkhead.io/allow-cidr` annotation lets the task out through its pod's proxy to
+        // the allowed port only (the other gets the proxy's 403).
+        assert_eq!(lines[6], "egress: hello-egress 1", "{}", shown(&uname));
         assert_eq!(failing.status.code(), Some(7), "{}", shown(&failing));
         assert_eq!(
             String::from_utf8_lossy(&failing.stdout),

@@ -27,6 +27,7 @@
 
 pub mod backend;
 pub mod events;
+pub mod network;
 pub mod oci;
 pub mod pod_cgroup;
 pub mod pod_roots;

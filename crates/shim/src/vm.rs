@@ -16,7 +16,10 @@
 //! never changes.
 //!
 //! The VMM runs in the cgroup the first container's spec names ([`crate::pod_cgroup`]); the ports
-//! its `bulkhead.io/ports` annotation declares are forwarded into the VM ([`crate::ports`]).
+//! its `bulkhead.io/ports` annotation declares are forwarded into the VM ([`crate::ports`]); its
+//! `bulkhead.io/network`, `allow`, `deny` and `allow-cidr` annotations give the pod a network
+//! through an egress proxy of its own ([`crate::network`]), whose proxy variables every process of
+//! the pod's containers gets.
 //!
 //! The VM's size is the first container's (under Kubernetes, the pod sandbox's, whose spec has
 //! the pod's annotations). Not yet: resource updates and guest-side stats (Update is refused,
@@ -41,6 +44,7 @@ use tokio::sync::oneshot;
 use crate::backend::{
     Backend, BackendError, ContainerSpec, ExecProcess, Resources, StartSpec, Started, Stats,
 };
+use crate::network;
 use crate::oci;
 use crate::pod_cgroup;
 use crate::pod_roots::{PodRoots, PODS_DIR};
@@ -64,6 +68,8 @@ struct Pod {
     memory_mib: u32,
     /// How long a request to the pod's agent may wait for an answer: the boot timeout.
     patience: Duration,
+    /// The proxy variables of the pod's network for its containers ([`crate::network`]).
+    proxy_env: Vec<(String, String)>,
 }
 
 /// How long a pod's VM may take to boot when the backend is given no base configuration: longer
@@ -79,6 +85,8 @@ struct Container {
     process: Process,
     client: AgentClient,
     init_pid: Option<u32>,
+    /// The pod network's proxy variables, added to each process's environment.
+    proxy_env: Vec<(String, String)>,
 }
 
 /// The microVM backend (see the module documentation).
@@ -132,65 +140,51 @@ impl VmBackend {
     }
 
     /// Boots the VM of a pod whose roots directory is `roots`, sized by its first container's
-    /// `spec`.
+    /// `spec`, in the pod's cgroup, with its ports forwarded and its network. On failure
+    /// everything made so far is undone (the VM stopped, the cgroup removed, the roots closed).
     fn boot(&self, spec: &Spec, roots: PodRoots) -> Result<Pod, BackendError> {
-        let size = oci::vm_size(spec);
-        let cgroup = match pod_cgroup::path_of(spec) {
-            Ok(Some(path)) => pod_cgroup::create(&path, size),
-            Ok(None) => Ok(None),
-            Err(e) => Err(e),
+        let mut made = Undo {
+            roots: Some(roots),
+            cgroup: None,
         };
-        let cgroup = match cgroup {
-            Ok(cgroup) => cgroup,
-            Err(e) => {
-                let _ = roots.close();
-                return Err(failed(e));
-            }
+        let invalid = |e: &dyn std::fmt::Display| BackendError::InvalidArgument(e.to_string());
+        let size = oci::vm_size(spec);
+        let egress = network::settings(spec).map_err(|e| invalid(&e))?;
+        made.cgroup = match pod_cgroup::path_of(spec).map_err(failed)? {
+            Some(path) => pod_cgroup::create(&path, size).map_err(failed)?,
+            None => None,
         };
         // The pod's ports are bound before the boot: a port in use fails the create at once.
-        let listeners = match ports::mappings(spec).and_then(|m| ports::bind(spec, &m)) {
-            Ok(listeners) => listeners,
-            Err(e) => {
-                let _ = roots.close();
-                remove_cgroup(cgroup.as_ref());
-                return Err(BackendError::InvalidArgument(e.to_string()));
-            }
-        };
+        let listeners = ports::mappings(spec)
+            .and_then(|m| ports::bind(spec, &m))
+            .map_err(|e| invalid(&e))?;
         let config = SandboxConfig {
             memory_mib: size.memory_mib,
             vcpus: size.vcpus,
             mounts: vec![Share {
-                host: roots.path().to_owned(),
+                host: made.roots_path(),
                 guest: PathBuf::from(GUEST_ROOTS),
                 read_only: true,
             }],
             follow_host_mounts: true,
             kill_on_parent_exit: true,
-            cgroup_procs: cgroup
+            cgroup_procs: made
+                .cgroup
                 .as_ref()
                 .map(VmCgroup::procs_files)
                 .unwrap_or_default(),
+            egress,
             ..self.base_config()
         };
-        let sandbox = match Sandbox::start(&config) {
-            Ok(sandbox) => sandbox,
-            Err(e) => {
-                let _ = roots.close();
-                remove_cgroup(cgroup.as_ref());
-                return Err(failed(e));
-            }
-        };
+        // Dropped (the VM stopped) before `made` undoes the rest, should anything below fail.
+        let sandbox = Sandbox::start(&config).map_err(failed)?;
         let published = match listeners.is_empty() {
             true => None,
-            false => match Published::serve(&sandbox.client(), listeners) {
-                Ok(published) => Some(published),
-                Err(e) => {
-                    let _ = sandbox.destroy();
-                    let _ = roots.close();
-                    remove_cgroup(cgroup.as_ref());
-                    return Err(failed(e));
-                }
-            },
+            false => Some(Published::serve(&sandbox.client(), listeners).map_err(failed)?),
+        };
+        let proxy_env = network::proxy_env(sandbox.egress_env());
+        let Some((roots, cgroup)) = made.keep() else {
+            return Err(failed("the pod's roots were closed during its boot"));
         };
         Ok(Pod {
             sandbox,
@@ -201,6 +195,7 @@ impl VmBackend {
             // The first exec of a guest that has just come up on a loaded host can take far
             // longer than the client's default 10 s to start, as for `bulkhead run`.
             patience: config.ready_timeout.max(Duration::from_secs(10)),
+            proxy_env,
         })
     }
 
@@ -229,7 +224,7 @@ impl VmBackend {
             let pod = self.boot(&oci_spec, roots)?;
             lock(&self.pods).insert(spec.pod.clone(), pod);
         }
-        let (pid, client) = {
+        let (pid, client, proxy_env) = {
             let pods = lock(&self.pods);
             let pod = pods
                 .get(&spec.pod)
@@ -240,7 +235,11 @@ impl VmBackend {
                     .map_err(failed)?;
             }
             let client = pod.sandbox.client().with_timeout(pod.patience);
-            (pod.sandbox.vmm_pid().unwrap_or(0), client)
+            (
+                pod.sandbox.vmm_pid().unwrap_or(0),
+                client,
+                pod.proxy_env.clone(),
+            )
         };
         let container = Container {
             pod: spec.pod.clone(),
@@ -253,6 +252,7 @@ impl VmBackend {
             process,
             client,
             init_pid: None,
+            proxy_env,
         };
         lock(&self.containers).insert(spec.id.clone(), container);
         Ok(pid)
@@ -282,6 +282,8 @@ impl VmBackend {
             }
         }
         .map_err(|e| BackendError::InvalidArgument(e.to_string()))?;
+        let mut req = req;
+        network::add_proxy_env(&mut req.env, &c.proxy_env);
         Ok((req, c.client.clone()))
     }
 
@@ -346,6 +348,37 @@ impl VmBackend {
 }
 
 /// Removes a pod's cgroup (logging a failure: the container's delete goes on).
+/// What a pod's boot made before its VM ran, undone when dropped unless kept.
+struct Undo {
+    roots: Option<PodRoots>,
+    cgroup: Option<VmCgroup>,
+}
+
+impl Undo {
+    /// The roots directory's path.
+    fn roots_path(&self) -> PathBuf {
+        self.roots
+            .as_ref()
+            .map(|r| r.path().to_owned())
+            .unwrap_or_default()
+    }
+
+    /// Keeps what was made: the roots (present until kept) and the cgroup.
+    fn keep(mut self) -> Option<(PodRoots, Option<VmCgroup>)> {
+        let roots = self.roots.take()?;
+        Some((roots, self.cgroup.take()))
+    }
+}
+
+impl Drop for Undo {
+    fn drop(&mut self) {
+        if let Some(Err(e)) = self.roots.take().map(PodRoots::close) {
+            tracing::warn!("{e}");
+        }
+        remove_cgroup(self.cgroup.take().as_ref());
+    }
+}
+
 fn remove_cgroup(cgroup: Option<&VmCgroup>) {
     if let Some(Err(e)) = cgroup.map(VmCgroup::remove) {
         tracing::warn!("{e}");
