@@ -103,6 +103,18 @@ impl PortMapping {
     }
 }
 
+/// Binds the host side of every mapping, each listener with its guest port: what
+/// [`Published::serve`] takes. Nothing stays bound on an error.
+///
+/// # Errors
+/// [`IngressError::Bind`] for the first mapping that cannot be bound.
+pub fn bind_all(mappings: &[PortMapping]) -> Result<Vec<(TcpListener, u16)>, IngressError> {
+    mappings
+        .iter()
+        .map(|m| m.bind().map(|listener| (listener, m.guest)))
+        .collect()
+}
+
 /// The loopback address, where `bulkhead run -p` listens unless told otherwise.
 pub const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
@@ -129,11 +141,7 @@ impl Published {
         client: &AgentClient,
         mappings: &[PortMapping],
     ) -> Result<Published, IngressError> {
-        let mut listeners = Vec::new();
-        for m in mappings {
-            listeners.push((m.bind()?, m.guest));
-        }
-        Published::serve(client, listeners)
+        Published::serve(client, bind_all(mappings)?)
     }
 
     /// Starts accepting on listeners bound by the caller (the shim binds them in the pod's

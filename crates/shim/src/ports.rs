@@ -15,7 +15,7 @@ use std::net::{IpAddr, Ipv4Addr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 
-use bulkhead_sandbox::ingress::{IngressError, PortMapping};
+use bulkhead_sandbox::ingress::{bind_all, IngressError, PortMapping};
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
 
 /// The pod annotation that declares the ports to forward.
@@ -100,10 +100,7 @@ pub fn bind(spec: &Spec, mappings: &[PortMapping]) -> Result<Vec<(TcpListener, u
                 source,
             })?;
         }
-        mappings
-            .iter()
-            .map(|m| m.bind().map(|l| (l, m.guest)).map_err(PortsError::Bind))
-            .collect::<Result<Vec<_>, _>>()
+        bind_all(&mappings).map_err(PortsError::Bind)
     });
     binding.join().unwrap_or_else(|_| {
         Err(PortsError::Netns {

@@ -3,7 +3,7 @@
 
 use std::net::TcpListener;
 
-use bulkhead_sandbox::ingress::{PortMapping, Published, LOCALHOST};
+use bulkhead_sandbox::ingress::{bind_all, PortMapping, Published, LOCALHOST};
 use bulkhead_sandbox::Sandbox;
 
 /// `-p [ADDR:]HOST_PORT:GUEST_PORT` or `-p PORT`; without an address the host side is
@@ -14,11 +14,7 @@ pub(crate) fn parse(text: &str) -> Result<PortMapping, String> {
 
 /// Binds every mapping's host side.
 pub(crate) fn bind(mappings: &[PortMapping]) -> Result<Vec<(TcpListener, u16)>, String> {
-    mappings
-        .iter()
-        .map(|m| m.bind().map(|l| (l, m.guest)))
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("-p: {e}"))
+    bind_all(mappings).map_err(|e| format!("-p: {e}"))
 }
 
 /// Starts carrying the bound ports' connections into `sandbox`; None without ports.
