@@ -1,6 +1,7 @@
 //! Unit tests of `bulkhead run`'s argument handling, messages and helpers.
 
 use super::*;
+use bulkhead_vmm::vstate::memory::{MAX_MEMORY_MIB, MIN_MEMORY_MIB};
 
 #[test]
 fn signals_map_to_128_plus_n_and_timeouts_to_124() {
