@@ -1,8 +1,6 @@
 //! `bulkhead bench` end to end, through the CLI binary: every run's phases reach the JSON in
 //! timeline order, and the plot is drawn. No timing is asserted (a slow machine is no failure).
 
-use std::process::Command;
-
 use bulkhead_tests::{artifacts, describe, guest_test, scratch_dir};
 
 /// The phases every run must report, in timeline order (the bench JSON's `phases_ms` keys).
@@ -25,14 +23,12 @@ guest_test!(
         let (json, plot) = (dir.path().join("bench.json"), dir.path().join("bench.svg"));
 
         // Act
-        let out = Command::new(&a.cli)
+        let out = a
+            .cli_command()
             .args(["bench", "--runs", "3", "--memory", "128", "--json"])
             .arg(&json)
             .arg("--plot")
             .arg(&plot)
-            .env("BULKHEAD_KERNEL", &a.vmlinux)
-            .env("BULKHEAD_INITRD", &a.agent_initrd)
-            .env("BULKHEAD_VMM", &a.vmm)
             .output()
             .expect("run bulkhead bench");
 
@@ -85,7 +81,8 @@ guest_test!(
         let script = format!("echo '<2>{marker}' > /dev/kmsg; exit 3");
 
         // Act
-        let out = Command::new(&a.cli)
+        let out = a
+            .cli_command()
             .args([
                 "bench",
                 "--runs",
@@ -97,9 +94,6 @@ guest_test!(
             ])
             .arg(&json)
             .args(["--", "sh", "-c", &script])
-            .env("BULKHEAD_KERNEL", &a.vmlinux)
-            .env("BULKHEAD_INITRD", &a.agent_initrd)
-            .env("BULKHEAD_VMM", &a.vmm)
             .output()
             .expect("run bulkhead bench");
 

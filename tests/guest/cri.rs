@@ -3,7 +3,7 @@
 //! test host, through `scripts/containerd-demo.sh --cri`.
 
 use bulkhead_tests::containerd::demo;
-use bulkhead_tests::guest_test;
+use bulkhead_tests::{describe, guest_test};
 
 guest_test!(
     fn cri_pods_get_one_microvm_each_shared_by_their_containers_and_go_with_it() {
@@ -17,11 +17,7 @@ guest_test!(
 
         // Assert
         let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
-        let shown = format!(
-            "{:?}\n--- stdout\n{stdout}\n--- stderr\n{}",
-            run.status,
-            String::from_utf8_lossy(&run.stderr)
-        );
+        let shown = describe(&run);
         assert!(run.status.success(), "{shown}");
         let field = |line: &str, key: &str| -> String {
             let line = stdout

@@ -83,7 +83,7 @@ fn run(server: &Server, args: &[&str], script: &str) -> Output {
 /// The command of [`run`], not started.
 fn bulkhead_run(server: &Server, args: &[&str], script: &str) -> Command {
     let a = artifacts();
-    let mut command = Command::new(&a.cli);
+    let mut command = a.cli_command();
     command
         .arg("run")
         .arg("--image")
@@ -98,9 +98,6 @@ fn bulkhead_run(server: &Server, args: &[&str], script: &str) -> Command {
         ])
         .args(args)
         .args(["--", "sh", "-c", script])
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .env("TOKEN", SECRET)
         .env("SSL_CERT_FILE", &server.ca_file);
     command

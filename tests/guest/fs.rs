@@ -409,12 +409,9 @@ guest_test!(
 /// `bulkhead run ARGS...` with the test kernel and agent image.
 fn bulkhead_run(args: &[&str]) -> Output {
     let a = artifacts();
-    Command::new(&a.cli)
+    a.cli_command()
         .arg("run")
         .args(args)
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .output()
         .expect("run bulkhead")
 }

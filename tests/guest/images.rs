@@ -67,13 +67,10 @@ fn text(bytes: &[u8]) -> String {
 /// Runs `bulkhead run ARGS...` against the cached test image store (so `--image debian` works).
 fn bulkhead_run(args: &[&str]) -> Output {
     let a = artifacts();
-    Command::new(&a.cli)
+    a.cli_command()
         .arg("run")
         .args(args)
         .env("BULKHEAD_DATA_DIR", a.test_image_data_dir())
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .output()
         .expect("run bulkhead")
 }

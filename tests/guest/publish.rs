@@ -11,13 +11,10 @@ use bulkhead_tests::{artifacts, guest_test};
 /// `bulkhead run ARGS...` with the test kernel and agent image, stdout and stderr piped.
 fn run(args: &[&str]) -> Command {
     let a = artifacts();
-    let mut command = Command::new(&a.cli);
+    let mut command = a.cli_command();
     command
         .arg("run")
         .args(args)
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

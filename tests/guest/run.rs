@@ -12,12 +12,10 @@ use bulkhead_tests::{
 /// Runs `bulkhead run ARGS...` with the test kernel and agent image, feeding `stdin`.
 fn bulkhead_run(args: &[&str], stdin: &[u8]) -> Output {
     let a = artifacts();
-    let mut child = Command::new(&a.cli)
+    let mut child = a
+        .cli_command()
         .arg("run")
         .args(args)
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -248,12 +246,9 @@ guest_test!(
 /// runtime files in `runtime`, stdout and stderr piped.
 fn spawn_run(args: &[&str], runtime: &std::path::Path) -> std::process::Child {
     let a = artifacts();
-    Command::new(&a.cli)
+    a.cli_command()
         .arg("run")
         .args(args)
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .env("BULKHEAD_RUNTIME_DIR", runtime)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -434,11 +429,8 @@ guest_test!(
     fn a_closed_stdout_fails_the_run_as_a_local_write_would() {
         // Arrange: fd 1 closed at exec (`bulkhead run ... >&-`).
         let a = artifacts();
-        let mut cmd = Command::new(&a.cli);
+        let mut cmd = a.cli_command();
         cmd.args(["run", "--", "sh", "-c", "echo lost; echo seen >&2"])
-            .env("BULKHEAD_KERNEL", &a.vmlinux)
-            .env("BULKHEAD_INITRD", &a.agent_initrd)
-            .env("BULKHEAD_VMM", &a.vmm)
             .stdin(Stdio::null())
             .stderr(Stdio::piped());
         // SAFETY: close(2) is async-signal-safe; the closure touches no memory of the parent.

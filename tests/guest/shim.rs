@@ -16,7 +16,7 @@ use bulkhead_shim::state::{ProcessKey, Stdio};
 use bulkhead_shim::vm::{SharedVmBackend, VmBackend};
 use bulkhead_tests::containerd::demo;
 use bulkhead_tests::pty::{collect, lflag, terminal};
-use bulkhead_tests::{guest_test, sandbox_config};
+use bulkhead_tests::{describe, guest_test, sandbox_config};
 
 /// A bundle: `config.json` running `script` with a 128 MiB memory limit, and a busybox rootfs.
 fn bundle(dir: &Path, script: &str) {
@@ -319,17 +319,10 @@ guest_test!(
         let failing = ctr_run(&[], &["sh", "-c", "echo bye; exit 7"]);
 
         // Assert
-        let shown = |o: &std::process::Output| {
-            format!(
-                "{:?}\n--- stdout\n{}\n--- stderr\n{}",
-                o.status,
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            )
-        };
+        let shown = describe;
         assert!(uname.status.success(), "{}", shown(&uname));
         let stdout = String::from_utf8_lossy(&uname.stdout).into_owned();
-        let lines: Vec<&str> = stdout.lines().chain(["", "", "", "", "", ""]).collect();
+        let lines: Vec<&str> = stdout.lines().chain([""; 7]).collect();
         let release = lines[0];
         assert!(
             !release.is_empty() && release != host_release.trim(),
@@ -385,11 +378,7 @@ guest_test!(
 
         // Assert
         let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
-        let shown = format!(
-            "{:?}\n--- stdout\n{stdout}\n--- stderr\n{}",
-            run.status,
-            String::from_utf8_lossy(&run.stderr)
-        );
+        let shown = describe(&run);
         assert!(run.status.success(), "{shown}");
         let line = |prefix: &str| {
             stdout

@@ -4,7 +4,7 @@
 
 use std::fs;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use bulkhead_egress::policy::Verdict;
 use bulkhead_egress::testing::{TestCa, TestServer};
@@ -25,11 +25,8 @@ fn bulkhead(data: &Path, args: &[&str]) -> Output {
 /// [`bulkhead`] with the variables `env` set too.
 fn bulkhead_with_env(data: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let a = artifacts();
-    Command::new(&a.cli)
+    a.cli_command()
         .args(args)
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .env("BULKHEAD_DATA_DIR", data)
         .envs(env.iter().copied())
         .output()

@@ -3,7 +3,7 @@
 //! after SIGTERM), and argv/env/cwd that are not UTF-8.
 
 use std::os::fd::OwnedFd;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use bulkhead_protocol::client::{ExecEvent, ExecSession};
@@ -149,12 +149,9 @@ guest_test!(
 fn run_t(slave: &OwnedFd, args: &[&str]) -> std::process::Child {
     let a = artifacts();
     let tty = || Stdio::from(slave.try_clone().unwrap());
-    Command::new(&a.cli)
+    a.cli_command()
         .args(["run", "-t", "--"])
         .args(args)
-        .env("BULKHEAD_KERNEL", &a.vmlinux)
-        .env("BULKHEAD_INITRD", &a.agent_initrd)
-        .env("BULKHEAD_VMM", &a.vmm)
         .stdin(tty())
         .stdout(tty())
         .stderr(tty())

@@ -128,6 +128,18 @@ pub const TEST_IMAGE_NAME: &str = "debian";
 const TEST_IMAGE_EXTRA_PACKAGES: [&str; 0] = [];
 
 impl Artifacts {
+    /// A `bulkhead` command that boots the test kernel with the agent initramfs on the built
+    /// VMM (`BULKHEAD_KERNEL`, `BULKHEAD_INITRD`, `BULKHEAD_VMM` set): the start of every test's
+    /// `bulkhead run`, `bench` and `template` command line.
+    pub fn cli_command(&self) -> Command {
+        let mut command = Command::new(&self.cli);
+        command
+            .env("BULKHEAD_KERNEL", &self.vmlinux)
+            .env("BULKHEAD_INITRD", &self.agent_initrd)
+            .env("BULKHEAD_VMM", &self.vmm);
+        command
+    }
+
     /// The static guest agent the test images carry (the musl release build).
     pub fn musl_agent(&self) -> PathBuf {
         target_dir().join("x86_64-unknown-linux-musl/release/bulkhead-agent")
