@@ -447,8 +447,8 @@ vm_test!(
 vm_test!(
     /// A warm pool of one real clone: the create is a hand-out of the clone restored before it
     /// (the template's file is there, the request's hostname and environment apply), the pool
-    /// refills, and shutdown leaves nothing. A create of the template with a network is no
-    /// hand-out: it is restored with an egress proxy of its own and reaches what it allows.
+    /// refills, and shutdown leaves nothing. A create of the template with a network is a
+    /// hand-out too: the clone gets an egress proxy of its own and reaches what it allows.
     fn a_real_pooled_clone_is_handed_out_with_the_templates_files_and_its_own_hostname() {
         // Arrange: template `base` (its guest wrote /tmp/x), a daemon keeping a clone of it, a
         // plain-HTTP test server on the test host's loopback for the networked clone.
@@ -488,6 +488,7 @@ vm_test!(
             .block_on(client.create(&networked))
             .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
         let fetched = sh(&daemon, &with_network.id, &fetch);
+        let log = rt.block_on(client.egress_log(&with_network.id)).unwrap();
         rt.block_on(client.delete(&with_network.id)).unwrap();
         let vmms = vec![pooled.vmm_pid.unwrap(), with_network.vmm_pid.unwrap()];
         let stopped = daemon.terminate();
@@ -507,10 +508,15 @@ vm_test!(
             "{fetched}"
         );
         assert_eq!(with_network.template.as_deref(), Some("base"));
-        assert!(!daemon
-            .log()
-            .lines()
-            .any(|l| l.contains(&with_network.id) && l.contains("(from the pool)")));
+        assert!(
+            daemon
+                .log()
+                .lines()
+                .any(|l| l.contains(&with_network.id) && l.contains("(from the pool)")),
+            "the networked create was no hand-out\n{}",
+            daemon.log()
+        );
+        assert!(log.contains("\"allow\""), "{log}");
         assert!(refilled, "{}", daemon.log());
         assert!(stopped, "{}", daemon.log());
         assert_eq!(daemon.leftovers(&vmms), Vec::<String>::new());

@@ -11,7 +11,7 @@
 //!
 //! The proxy lives in the process that started the sandbox and ends with it (its CA key never
 //! leaves that process's memory). A process that adopts the sandbox (a restarted daemon) starts
-//! a proxy of its own with [`crate::Sandbox::restart_network`], whose new CA it installs in the
+//! a proxy of its own with [`crate::Sandbox::start_network`], whose new CA it installs in the
 //! guest; until then the guest's connections to port 3128 are refused.
 
 use std::collections::BTreeMap;

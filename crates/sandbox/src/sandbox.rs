@@ -115,7 +115,7 @@ pub enum Error {
     #[error("cannot manage the VMM process: {0}")]
     Process(io::Error),
     /// [`Sandbox::adopt`]: the VMM process or the sandbox's files are gone;
-    /// [`Sandbox::restart_network`] of a sandbox that is not adopted or has a proxy.
+    /// [`Sandbox::start_network`] of a sandbox that has a proxy or no runtime directory.
     #[error("cannot adopt the sandbox: {0}")]
     Adopt(io::Error),
     /// The root image, scratch disk or a data disk is unusable ([`Sandbox::start_with`]).
@@ -359,7 +359,7 @@ impl Sandbox {
     /// What every command of this sandbox needs for its network: the proxy variables
     /// (`HTTP_PROXY`, `HTTPS_PROXY`, their lower-case forms, `NO_PROXY`, `NODE_USE_ENV_PROXY`),
     /// the CA bundle variables, and each secret's placeholder. Empty without a network (and
-    /// for an adopted sandbox until [`Sandbox::restart_network`]: its proxy ended with its first
+    /// for an adopted sandbox until [`Sandbox::start_network`]: its proxy ended with its first
     /// owner).
     pub fn egress_env(&self) -> Vec<(String, String)> {
         self.egress
@@ -374,25 +374,28 @@ impl Sandbox {
         self.egress_log.as_deref()
     }
 
-    /// Gives an adopted sandbox its network again: starts a new egress proxy with `settings`
-    /// (from [`crate::spec::egress_settings`] of the sandbox's spec) on its egress socket,
-    /// replacing the dead proxy's socket file, and installs the new proxy's CA certificate in
-    /// the guest (the agent answers within `timeout`). The guest's relay connects per accepted
-    /// connection, so its next connection reaches the new proxy; commands started from now on
-    /// get the new proxy's variables and placeholders ([`Sandbox::egress_env`]).
+    /// Gives a running sandbox without a proxy a network: an adopted sandbox its network again
+    /// (its first owner's proxy ended with it), or an idle clone handed out from a warm pool the
+    /// network its request asks for. Starts an egress proxy with `settings` (from
+    /// [`crate::spec::egress_settings`] of the sandbox's spec) on its egress socket, replacing a
+    /// dead proxy's socket file, and installs the proxy's CA certificate in the guest (the
+    /// agent answers within `timeout`). The guest's relay connects per accepted connection, so
+    /// its next connection reaches the new proxy; commands started from now on get the new
+    /// proxy's variables and placeholders ([`Sandbox::egress_env`]). A guest that booted
+    /// without a relay (a clone) also needs a `RestoredRequest` with `egress` set.
     ///
     /// # Errors
     /// [`Error::Egress`] when the proxy cannot start or the CA cannot be installed (the new
     /// proxy is then stopped); [`Error::Adopt`] when the sandbox already has a proxy or no
     /// runtime directory.
-    pub fn restart_network(
+    pub fn start_network(
         &mut self,
         settings: &EgressSettings,
         timeout: Duration,
     ) -> Result<(), Error> {
         let Some(dir) = self.dir.clone().filter(|_| self.egress.is_none()) else {
             return Err(Error::Adopt(io::Error::other(
-                "only an adopted sandbox without a proxy can restart its network",
+                "only a sandbox with a runtime directory and no proxy can start a network",
             )));
         };
         let proxy = start_proxy(settings, &dir, &self.uds_path, jail::active(true))?;

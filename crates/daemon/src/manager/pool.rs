@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use bulkhead_client::{CreateSandbox, PoolStatus, SandboxInfo, SandboxState};
 use bulkhead_sandbox::cgroup::{CgroupSpec, VmLimits};
+use bulkhead_sandbox::egress::EgressSettings;
 use bulkhead_sandbox::{Sandbox, SandboxSpec};
 
 use super::lifecycle::{api_limits, process_exit, teardown};
@@ -104,7 +105,7 @@ impl Pool {
 
     /// Whether a pooled clone can serve `request` (already fitted to its template): it names
     /// the pool's template and asks for nothing a restore must set up (kernel, image, disks,
-    /// shares, network); such requests take the normal path.
+    /// shares); such requests take the normal path. A network is given at the hand-out.
     pub(super) fn serves(&self, request: &CreateSandbox) -> bool {
         request.template.as_deref() == Some(self.template.name.as_str())
             && request.kernel.is_none()
@@ -112,7 +113,6 @@ impl Pool {
             && request.disk_mib.is_none()
             && request.workspace.is_none()
             && request.mounts.is_empty()
-            && request.network.is_none()
     }
 
     /// Wakes the refiller.
@@ -367,10 +367,20 @@ impl Manager {
             .clone()
             .unwrap_or_else(|| format!("bh-{}", entry.id));
         let cgroup = member.record.cgroup.clone();
+        // Planned already (the secrets were found then); read again for the proxy.
+        let network = match plan::network_settings(&self.inner.config, spec, &entry.id) {
+            Ok(network) => network,
+            Err(e) => {
+                self.destroy_clone(member).await;
+                self.forget(&entry);
+                return Some(Err(e));
+            }
+        };
+        let identity = Identity { hostname, network };
         let Member { record, sandbox } = member;
         let prepared = tokio::task::spawn_blocking(move || {
             let mut sandbox = sandbox;
-            let result = prepare(&mut sandbox, cgroup.as_ref(), &limits, hostname);
+            let result = prepare(&mut sandbox, cgroup.as_ref(), &limits, identity);
             (sandbox, result)
         })
         .await;
@@ -438,13 +448,20 @@ fn handed_out(clone: &Record, spec: &SandboxSpec, limits: &VmLimits, ttl_s: Opti
     }
 }
 
+/// What a handed-out clone becomes: its hostname and, when its request has one, its network.
+struct Identity {
+    hostname: String,
+    network: Option<EgressSettings>,
+}
+
 /// Blocking: readies an idle clone for its sandbox: its VM must still run, its cgroup gets
-/// `limits`, its guest the hostname, fresh entropy and the host's clock.
+/// `limits`, its guest the hostname, fresh entropy, the host's clock and, with a network, an
+/// egress proxy of its own (the agent starts its relay when told so).
 fn prepare(
     sandbox: &mut Sandbox,
     cgroup: Option<&CgroupSpec>,
     limits: &VmLimits,
-    hostname: String,
+    identity: Identity,
 ) -> Result<(), String> {
     if let Ok(Some(end)) = sandbox.try_wait_exit() {
         return Err(format!("its VM ended: {end}"));
@@ -454,8 +471,14 @@ fn prepare(
             .set_limits(limits)
             .map_err(|e| e.to_string())?;
     }
-    let request =
-        bulkhead_sandbox::snapshot::restored_request(Some(hostname)).map_err(|e| e.to_string())?;
+    let mut request = bulkhead_sandbox::snapshot::restored_request(Some(identity.hostname))
+        .map_err(|e| e.to_string())?;
+    if let Some(settings) = &identity.network {
+        sandbox
+            .start_network(settings, HAND_OUT_TIMEOUT)
+            .map_err(|e| e.to_string())?;
+        request.egress = true;
+    }
     sandbox
         .client()
         .with_timeout(HAND_OUT_TIMEOUT)
@@ -538,7 +561,7 @@ mod tests {
     }
 
     #[test]
-    fn only_template_creates_without_shares_images_or_networks_are_served() {
+    fn only_template_creates_without_shares_or_images_are_served() {
         // Arrange
         let pool = Pool {
             template: Template {
@@ -576,6 +599,7 @@ mod tests {
         };
         assert!(with(|r| r.hostname = Some("h".into())));
         assert!(with(|r| r.pids_max = Some(40)));
+        assert!(with(|r| r.network = Some(Default::default())));
         assert!(!with(|r| r.image = Some("debian".into())));
         assert!(!with(|r| r.workspace =
             Some(bulkhead_client::WorkspaceSpec {

@@ -128,7 +128,7 @@ impl Manager {
         let config = &self.inner.config;
         let result = match plan::network_settings(config, &record.spec, &record.id) {
             Ok(Some(settings)) => sandbox
-                .restart_network(&settings, NETWORK_RESTART_TIMEOUT)
+                .start_network(&settings, NETWORK_RESTART_TIMEOUT)
                 .map_err(|e| e.to_string()),
             Ok(None) => return,
             Err(e) => Err(e.to_string()),

@@ -287,7 +287,7 @@ pub(crate) fn config_of(
 /// The egress proxy's settings for `spec`'s network: its policy compiled with the host's secret
 /// values (unknown secrets, malformed rules and presets are errors here, before anything
 /// starts); `None` without a network. [`build`] uses it, and so does a process that adopts a
-/// running sandbox and restarts its proxy ([`crate::Sandbox::restart_network`]).
+/// running sandbox and restarts its proxy ([`crate::Sandbox::start_network`]).
 ///
 /// # Errors
 /// [`SpecError`] for an unknown secret or a malformed rule or preset.
