@@ -4,43 +4,24 @@
 //! at `/sys/fs/cgroup`, so they exercise the daemon's v2 path (the host-level tests exercise v1
 //! on the build machines).
 //!
-//! The tests run one at a time (the [`vm_test!`] lock is taken both in this process and, when
-//! the body is delegated, around the delegation), because they share the test host's two CPUs
-//! and its 2 GiB, and one of them measures CPU use.
+//! The tests run one at a time (`vm_test!`'s lock is taken both in this process and, when the
+//! body is delegated, around the delegation), because they share the test host's two CPUs and
+//! its 2 GiB, and one of them measures CPU use. Snapshot tests (pause, the warm pool) are in
+//! `guest_snapshots.rs`.
 
+#[macro_use]
 mod common;
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
-use common::real::{pool_ready, real_daemon, real_pool_daemon, small, vm_logs};
+use common::real::{multi_rt, real_daemon, serial, small, vm_logs};
 use common::{cgroup_file, rt, wait_until, TestDaemon};
 
 /// Sandboxes booted at once by the concurrency test (the issue's acceptance number).
 const CONCURRENT_VMS: usize = 20;
 /// Guest RAM of each of them, MiB: 20 × (64 MiB + the VMM) fit the 2 GiB test host.
 const CONCURRENT_VM_MIB: u32 = 64;
-
-/// One VM test at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Declares a test whose body boots real guests (through `bulkhead_tests::in_vm_host`), holding
-/// [`SERIAL`] around it, so delegated bodies never share the test host either.
-macro_rules! vm_test {
-    ($(#[$meta:meta])* fn $name:ident() $body:block) => {
-        $(#[$meta])*
-        #[test]
-        fn $name() {
-            let _serial = serial();
-            bulkhead_tests::in_vm_host(stringify!($name), || $body);
-        }
-    };
-}
 
 fn read(info: &SandboxInfo, file: &str) -> String {
     let path = cgroup_file(info, "", file);
@@ -56,15 +37,6 @@ fn usage_usec(info: &SandboxInfo) -> u64 {
         .find_map(|l| l.strip_prefix("usage_usec "))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
-}
-
-/// A multi-threaded runtime, for tests that run many client calls at once.
-fn multi_rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// What one of the concurrent sandboxes reported.
@@ -349,223 +321,6 @@ vm_test!(
         assert!(running_meanwhile, "the VM outlives the daemon");
         assert_eq!(after.unwrap_err().status(), Some(404));
         assert_eq!(daemon.leftovers(&[vmm]), Vec::<String>::new());
-    }
-);
-
-/// The output of `sh -c script` in sandbox `id`, with the daemon's logs on failure.
-fn sh(daemon: &TestDaemon, id: &str, script: &str) -> String {
-    let out = rt()
-        .block_on(
-            daemon
-                .client()
-                .exec_collect(id, &ExecSpec::new(["sh", "-c", script])),
-        )
-        .unwrap_or_else(|e| panic!("{script}: {e}\n{}", vm_logs(&daemon.vms_dir())));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-vm_test!(
-    fn a_paused_real_vm_has_no_vmm_and_resumes_with_its_files_and_processes() {
-        // Arrange: a sandbox with a network (a plain-HTTP test server on the test host's
-        // loopback allowed), a file in guest RAM and a process left running.
-        let server_rt = multi_rt();
-        let ca = bulkhead_egress::testing::TestCa::new();
-        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
-        let port = server.http_port;
-        let daemon = real_daemon("", &[]);
-        let client = daemon.client();
-        let rt = rt();
-        let request = bulkhead_client::CreateSandbox {
-            network: Some(bulkhead_client::NetworkRequest {
-                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
-                ..Default::default()
-            }),
-            ..small(64)
-        };
-        let sb = rt.block_on(client.create(&request)).unwrap();
-        let fetch = format!("wget -q -O - http://127.0.0.1:{port}/");
-        sh(
-            &daemon,
-            &sb.id,
-            &format!(
-                "{fetch} >/dev/null; echo 42 > /tmp/x; \
-                 sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > /tmp/pid"
-            ),
-        );
-        let old_vmm = sb.vmm_pid.unwrap();
-
-        // Act
-        let paused = rt.block_on(client.pause(&sb.id));
-        let vmm_after_pause = common::alive(old_vmm);
-        let resumed = rt.block_on(client.resume(&sb.id));
-        let file = sh(&daemon, &sb.id, "cat /tmp/x");
-        let sleeper = sh(&daemon, &sb.id, "kill -0 $(cat /tmp/pid) && echo alive");
-        let fetched = sh(&daemon, &sb.id, &fetch);
-        let log = rt.block_on(client.egress_log(&sb.id)).unwrap();
-        let paused_again = rt.block_on(client.pause(&sb.id));
-        rt.block_on(client.delete(&sb.id)).unwrap();
-
-        // Assert
-        let fail = |e: bulkhead_client::Error| -> ! {
-            panic!(
-                "{e}\n{}\n--- daemon\n{}",
-                vm_logs(&daemon.vms_dir()),
-                daemon.log()
-            )
-        };
-        assert_eq!(
-            paused.unwrap_or_else(|e| fail(e)).state,
-            SandboxState::Paused
-        );
-        assert!(
-            !vmm_after_pause,
-            "the VMM {old_vmm} still runs after the pause"
-        );
-        let resumed = resumed.unwrap_or_else(|e| fail(e));
-        assert_eq!(resumed.state, SandboxState::Running);
-        assert_eq!(file, "42\n");
-        assert_eq!(sleeper, "alive\n", "the process started before the pause");
-        assert!(
-            fetched.contains("hello from the test server"),
-            "no way out after the resume: {fetched:?}"
-        );
-        let allowed = log.lines().filter(|l| l.contains("\"allow\"")).count();
-        assert_eq!(allowed, 2, "one request before the pause, one after: {log}");
-        assert_eq!(
-            paused_again.unwrap_or_else(|e| fail(e)).state,
-            SandboxState::Paused
-        );
-        assert_eq!(
-            common::list(&daemon.state_dir.join("paused")),
-            Vec::<std::path::PathBuf>::new()
-        );
-        let new_vmm = resumed.vmm_pid.unwrap();
-        assert_eq!(daemon.leftovers(&[old_vmm, new_vmm]), Vec::<String>::new());
-    }
-);
-
-vm_test!(
-    /// A warm pool of one real clone: the create is a hand-out of the clone restored before it
-    /// (the template's file is there, the request's hostname and environment apply), the pool
-    /// refills, and shutdown leaves nothing. A create of the template with a network is a
-    /// hand-out too: the clone gets an egress proxy of its own and reaches what it allows.
-    fn a_real_pooled_clone_is_handed_out_with_the_templates_files_and_its_own_hostname() {
-        // Arrange: template `base` (its guest wrote /tmp/x), a daemon keeping a clone of it, a
-        // plain-HTTP test server on the test host's loopback for the networked clone.
-        let server_rt = multi_rt();
-        let ca = bulkhead_egress::testing::TestCa::new();
-        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
-        let port = server.http_port;
-        let (mut daemon, _) = real_pool_daemon(1);
-        let client = daemon.client();
-        let rt = rt();
-        let filled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
-        assert!(filled, "{}\n{}", vm_logs(&daemon.vms_dir()), daemon.log());
-        let mut request = bulkhead_client::CreateSandbox {
-            template: Some("base".into()),
-            hostname: Some("pooled-1".into()),
-            ..bulkhead_client::CreateSandbox::default()
-        };
-        request.env.insert("GREETING".into(), "hi".into());
-        let networked = bulkhead_client::CreateSandbox {
-            template: Some("base".into()),
-            network: Some(bulkhead_client::NetworkRequest {
-                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
-                ..Default::default()
-            }),
-            ..bulkhead_client::CreateSandbox::default()
-        };
-        let fetch = format!("cat /tmp/x; wget -q -O - http://127.0.0.1:{port}/");
-
-        // Act
-        let started = Instant::now();
-        let pooled = rt.block_on(client.create(&request)).unwrap();
-        let create_time = started.elapsed();
-        let seen = sh(&daemon, &pooled.id, "cat /tmp/x; hostname; echo $GREETING");
-        let refilled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
-        rt.block_on(client.delete(&pooled.id)).unwrap();
-        let with_network = rt
-            .block_on(client.create(&networked))
-            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
-        let fetched = sh(&daemon, &with_network.id, &fetch);
-        let log = rt.block_on(client.egress_log(&with_network.id)).unwrap();
-        rt.block_on(client.delete(&with_network.id)).unwrap();
-        let vmms = vec![pooled.vmm_pid.unwrap(), with_network.vmm_pid.unwrap()];
-        let stopped = daemon.terminate();
-
-        // Assert
-        assert!(
-            daemon
-                .log()
-                .lines()
-                .any(|l| l.contains(&pooled.id) && l.contains("(from the pool)")),
-            "not a hand-out (create took {create_time:?})\n{}",
-            daemon.log()
-        );
-        assert_eq!(seen, "42\npooled-1\nhi\n");
-        assert!(
-            fetched.starts_with("42\n") && fetched.contains("hello from the test server"),
-            "{fetched}"
-        );
-        assert_eq!(with_network.template.as_deref(), Some("base"));
-        assert!(
-            daemon
-                .log()
-                .lines()
-                .any(|l| l.contains(&with_network.id) && l.contains("(from the pool)")),
-            "the networked create was no hand-out\n{}",
-            daemon.log()
-        );
-        assert!(log.contains("\"allow\""), "{log}");
-        assert!(refilled, "{}", daemon.log());
-        assert!(stopped, "{}", daemon.log());
-        assert_eq!(daemon.leftovers(&vmms), Vec::<String>::new());
-    }
-);
-
-vm_test!(
-    /// The issue's fault test: `kill -9` of the daemon while its pool of real clones refills;
-    /// the restarted daemon leaves no VMM of the old one running and fills the pool again.
-    fn kill_9_while_the_pool_refills_leaves_no_real_vm_and_the_pool_refills() {
-        // Arrange
-        let (mut daemon, _) = real_pool_daemon(3);
-        let client = daemon.client();
-        let rt = rt();
-        let ready = || rt.block_on(client.health()).unwrap().pool.unwrap();
-        let one = wait_until(Duration::from_secs(300), || ready().ready >= 1);
-        assert!(one, "{}\n{}", vm_logs(&daemon.vms_dir()), daemon.log());
-
-        // Act
-        let before = ready();
-        let old = daemon.vm_cgroup_pids();
-        daemon.kill9();
-        daemon.spawn(&[]);
-        let refilled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 3));
-        let new = daemon.vm_cgroup_pids();
-        let records = daemon.records().len();
-        let stopped = daemon.terminate();
-
-        // Assert
-        assert!(
-            before.ready < 3,
-            "killed while the pool refilled: {before:?}"
-        );
-        assert!(!old.is_empty(), "clones ran when the daemon was killed");
-        let orphans: Vec<u32> = old.iter().copied().filter(|p| common::alive(*p)).collect();
-        assert_eq!(
-            orphans,
-            Vec::<u32>::new(),
-            "VMMs of the killed daemon still run"
-        );
-        assert!(refilled, "{}\n{}", vm_logs(&daemon.vms_dir()), daemon.log());
-        assert!(
-            !new.is_empty() && new.iter().all(|p| !old.contains(p)),
-            "{new:?} {old:?}"
-        );
-        assert_eq!(records, 3, "one record per clone");
-        assert!(stopped, "{}", daemon.log());
-        let all: Vec<u32> = old.iter().chain(&new).copied().collect();
-        assert_eq!(daemon.leftovers(&all), Vec::<String>::new());
     }
 );
 

@@ -5,11 +5,56 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 
 use bulkhead_client::{CreateSandbox, ExecSpec};
 use bulkhead_tests::artifacts;
 
-use super::TestDaemon;
+use super::{rt, TestDaemon};
+
+/// One VM test at a time in a test binary: they share the test host's two CPUs and 2 GiB.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Holds [`SERIAL`] (also after a test that panicked while holding it).
+pub fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Declares a test whose body boots real guests (through `bulkhead_tests::in_vm_host`), holding
+/// [`serial`] around it, so delegated bodies never share the test host either.
+#[macro_export]
+macro_rules! vm_test {
+    ($(#[$meta:meta])* fn $name:ident() $body:block) => {
+        $(#[$meta])*
+        #[test]
+        fn $name() {
+            let _serial = $crate::common::real::serial();
+            bulkhead_tests::in_vm_host(stringify!($name), || $body);
+        }
+    };
+}
+
+/// A multi-threaded runtime, for tests that run many client calls at once (or serve a test
+/// server beside the daemon).
+pub fn multi_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The output of `sh -c script` in sandbox `id`, with the daemon's logs on failure.
+pub fn sh(daemon: &TestDaemon, id: &str, script: &str) -> String {
+    let out = rt()
+        .block_on(
+            daemon
+                .client()
+                .exec_collect(id, &ExecSpec::new(["sh", "-c", script])),
+        )
+        .unwrap_or_else(|e| panic!("{script}: {e}\n{}", vm_logs(&daemon.vms_dir())));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
 
 /// Mounts cgroup2 at /sys/fs/cgroup unless a hierarchy is there already.
 pub fn ensure_cgroup2() {
