@@ -22,8 +22,10 @@
 //! that a sandbox started with [`SandboxConfig::share_slots`] keeps for them ([`slots`]), and
 //! give the clone a network: its own egress proxy (a new per-sandbox CA, new placeholders),
 //! started before the VMM as for a boot; the agent starts its relay when told so in the
-//! `RestoredRequest` and the new CA is added to the guest's trust ([`crate::egress`]). Not yet:
-//! restoring with disks or an image; the callers refuse those.
+//! `RestoredRequest` and the new CA is added to the guest's trust ([`crate::egress`]). A
+//! snapshot's read-only disks (a root filesystem image, with the writable layer in guest RAM)
+//! are opened again by path; the manifest records each file's identity and a restore refuses
+//! one that changed, and a writable disk ([`disks`]). A restore cannot add disks.
 
 use std::fs;
 use std::io::{self, Read};
@@ -49,9 +51,11 @@ use crate::sandbox::{
 use crate::vmm_process::{VmEnd, VmmProcess};
 use crate::workspace;
 
+mod disks;
 mod files;
 mod slots;
 
+pub use disks::DiskIdentity;
 pub use slots::ShareSlots;
 pub(crate) use slots::{check_boot as check_share_slots, idle_shares};
 
@@ -81,6 +85,10 @@ pub struct Manifest {
     pub vcpus: u8,
     /// The agent's readiness announcement from the sandbox's boot.
     pub ready: Ready,
+    /// The VM's disks as they were at the snapshot (a root filesystem image); a restore opens
+    /// them again and refuses one that changed ([`disks`]). Absent when it had none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskIdentity>,
 }
 
 impl Manifest {
@@ -158,6 +166,7 @@ impl Sandbox {
             memory_mib: config.memory_mib,
             vcpus: config.vcpus,
             ready: self.ready.clone(),
+            disks: disks::identities(dir)?,
         };
         manifest.write(dir)?;
         if self.wait_exit(EXIT_AFTER_SNAPSHOT)?.is_none() {
@@ -332,7 +341,7 @@ fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), E
             manifest.vcpus, config.vcpus
         ));
     }
-    Ok(())
+    disks::check(&manifest.disks)
 }
 
 /// Where a jailed VMM writes a snapshot, in its runtime directory.

@@ -578,6 +578,7 @@ mod tests {
                         init_started: Default::default(),
                         listening: Default::default(),
                     },
+                    disks: Vec::new(),
                 },
                 slots: Default::default(),
             },

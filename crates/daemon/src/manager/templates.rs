@@ -185,6 +185,7 @@ mod tests {
                     init_started: BootTimestamps::default(),
                     listening: BootTimestamps::default(),
                 },
+                disks: Vec::new(),
             },
             slots: ShareSlots {
                 mounts: 1,

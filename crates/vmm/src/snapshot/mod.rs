@@ -158,11 +158,29 @@ pub(crate) fn save_vcpu(_fd: &kvm_ioctls::VcpuFd, _msrs: &[u32]) -> Result<VcpuS
 /// # Errors
 /// [`Error::Format`] for a missing, truncated, corrupt or foreign state file.
 pub fn share_tags(dir: &std::path::Path) -> Result<Vec<String>, Error> {
+    Ok(saved_config(dir)?
+        .shares
+        .into_iter()
+        .map(|s| s.tag)
+        .collect())
+}
+
+/// The virtio-blk disks of the snapshot in `dir`, in device order, as its VM had them: a
+/// restore opens each again at its path, with its mode.
+///
+/// # Errors
+/// [`Error::Format`] for a missing, truncated, corrupt or foreign state file.
+pub fn disks(dir: &std::path::Path) -> Result<Vec<crate::config::DiskConfig>, Error> {
+    Ok(saved_config(dir)?.disks)
+}
+
+/// The VM configuration saved in the snapshot in `dir`.
+fn saved_config(dir: &std::path::Path) -> Result<VmConfig, Error> {
     /// The part of [`VmSnapshot`] this reads.
     #[derive(Deserialize)]
     struct Saved {
         config: VmConfig,
     }
     let saved: Saved = format::read_file(&dir.join(STATE_FILE))?;
-    Ok(saved.config.shares.into_iter().map(|s| s.tag).collect())
+    Ok(saved.config)
 }
