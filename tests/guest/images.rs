@@ -110,6 +110,51 @@ image_test!(
 );
 
 image_test!(
+    fn a_template_on_the_image_gives_each_clone_its_files_and_python() {
+        // Arrange: a template booted from the Debian image (templates in a directory of their
+        // own), whose preparation wrote a file with python3 into the RAM-backed writable layer.
+        let a = artifacts();
+        let data = tempfile::tempdir().unwrap();
+        let image = a.debian_image().display().to_string();
+        let bulkhead = |args: &[&str]| {
+            a.cli_command()
+                .args(args)
+                .env("BULKHEAD_DATA_DIR", data.path())
+                .output()
+                .expect("run bulkhead")
+        };
+        let prepare = "open('/root/answer', 'w').write('42\\n')";
+        let created = bulkhead(&[
+            "template",
+            "create",
+            "deb",
+            "--image",
+            &image,
+            "--boot-timeout",
+            "300",
+            "--",
+            "python3",
+            "-c",
+            prepare,
+        ]);
+        assert!(created.status.success(), "{}", describe(&created));
+        let first_script = "cat /root/answer; python3 -c 'print(6*7)'; echo mine > /root/own";
+        let second_script = "cat /root/answer; cat /root/own 2>/dev/null || echo none";
+
+        // Act
+        let first = bulkhead(&["run", "--template", "deb", "--", "sh", "-c", first_script]);
+        let second = bulkhead(&["run", "--template", "deb", "--", "sh", "-c", second_script]);
+
+        // Assert: both clones read the template's file, python3 runs from the image, and the
+        // first clone's write is its own.
+        assert!(first.status.success(), "{}", describe(&first));
+        assert_eq!(text(&first.stdout), "42\n42\n", "{}", describe(&first));
+        assert!(second.status.success(), "{}", describe(&second));
+        assert_eq!(text(&second.stdout), "42\nnone\n", "{}", describe(&second));
+    }
+);
+
+image_test!(
     fn two_sandboxes_on_one_image_keep_their_own_files_and_leave_it_unchanged() {
         // Arrange
         let image = artifacts().debian_image();

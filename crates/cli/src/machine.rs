@@ -1,13 +1,13 @@
 //! The flags that say which VM a sandbox boots (`--vcpus`, `--memory`, `--kernel`, `--initrd`,
-//! `--boot-timeout`), shared by `bulkhead run` and `bulkhead template create`, and the spec,
-//! host settings and recipe they make: `template create` boots exactly the sandbox that
-//! `bulkhead run` boots with the same flags.
+//! `--boot-timeout`), shared by `bulkhead run` and `bulkhead template create`, and the spec and
+//! host settings they make: `template create` boots exactly the sandbox that `bulkhead run`
+//! boots with the same flags.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use bulkhead_sandbox::spec::{DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
-use bulkhead_sandbox::{FileRef, HostSettings, Recipe, SandboxSpec};
+use bulkhead_sandbox::{FileRef, HostSettings, SandboxSpec};
 
 use crate::run::{parse_memory, parse_positive_seconds, parse_vcpus};
 
@@ -64,15 +64,6 @@ impl MachineArgs {
             host.initrd = initrd.clone();
         }
         host
-    }
-
-    /// The recipe of sandbox `id` with only these flags: the sandbox `bulkhead run` boots when
-    /// given no other flag (everything checked, nothing started).
-    ///
-    /// # Errors
-    /// A missing kernel or initramfs, an out-of-range size.
-    pub fn recipe(&self, id: &str) -> Result<Recipe, String> {
-        bulkhead_sandbox::build(&self.spec(), &self.host(), id).map_err(|e| e.to_string())
     }
 
     /// The directories of the files these flags name (`--kernel`, `--initrd`), as absolute

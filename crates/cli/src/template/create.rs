@@ -10,7 +10,7 @@ use bulkhead_image::manifest::rfc3339_utc;
 use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::mounts::MAX_MOUNTS;
 use bulkhead_sandbox::spec::new_id;
-use bulkhead_sandbox::{Recipe, Sandbox};
+use bulkhead_sandbox::{Recipe, Sandbox, SandboxSpec};
 
 use super::store::{format_size, size_on_disk, TemplateManifest, TemplateStore};
 use crate::machine::MachineArgs;
@@ -33,6 +33,12 @@ pub struct CreateArgs {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_SHARE_SLOTS,
           value_parser = clap::value_parser!(u8).range(0..=MAX_MOUNTS as i64))]
     share_slots: u8,
+    /// Root filesystem image, as `run --image`: a name from `bulkhead image ls` or the path of
+    /// an ext4 file. Its writable layer lives in guest RAM and is saved with the template;
+    /// clones open the image file again (read-only), so an image built again under the same
+    /// name makes the template unusable (clones refuse to start; make it again).
+    #[arg(long, value_name = "NAME|PATH")]
+    image: Option<String>,
     /// The preparation command and its arguments, run before the snapshot; it must exit 0.
     #[arg(last = true, value_name = "CMD")]
     prepare: Vec<String>,
@@ -51,8 +57,8 @@ pub fn create(store: &TemplateStore, args: &CreateArgs) -> Result<u8, String> {
     let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
     // Checked again when the create begins and, atomically, when the template gets its name.
     store.check_free(&args.name)?;
-    let recipe = args.machine.recipe(&id)?;
-    run::require_bootable_kvm(&args.machine.file_dirs())?;
+    let recipe = recipe(args, &id)?;
+    run::require_bootable_kvm(&file_dirs(args))?;
     let started = Instant::now();
     let partial = store.begin(&args.name)?;
     let run_dir = rundir::create(&recipe.config.runtime_dir)?;
@@ -116,9 +122,32 @@ fn abort(code: Result<u8, String>, name: &str) -> Result<u8, String> {
     Ok(code)
 }
 
+/// The recipe of the template's sandbox `id`: `bulkhead run`'s with the machine flags and
+/// `--image` (everything checked, nothing started).
+fn recipe(args: &CreateArgs, id: &str) -> Result<Recipe, String> {
+    let spec = SandboxSpec {
+        image: args.image.as_deref().map(run::image_ref),
+        ..args.machine.spec()
+    };
+    bulkhead_sandbox::build(&spec, &args.machine.host(), id).map_err(|e| e.to_string())
+}
+
+/// The directories the nested test host must share: the machine flags' files' and an image
+/// given as a path.
+fn file_dirs(args: &CreateArgs) -> Vec<PathBuf> {
+    let mut dirs = args.machine.file_dirs();
+    let image = args.image.as_deref().filter(|i| i.contains('/'));
+    let image_dir = image
+        .and_then(|i| std::path::absolute(i).ok())
+        .and_then(|abs| abs.parent().map(Path::to_owned));
+    dirs.extend(image_dir.filter(|d| !dirs.contains(d)));
+    dirs
+}
+
 /// The manifest of the template `args` create.
 fn manifest(args: &CreateArgs, recipe: &Recipe) -> TemplateManifest {
     TemplateManifest {
+        image: recipe.storage.root_image.as_deref().map(absolute),
         name: args.name.clone(),
         kernel: absolute(&recipe.config.kernel),
         initrd: absolute(&recipe.config.initrd),

@@ -4,7 +4,8 @@
 //! A restore gives the clone the template's memory and vCPUs, a fresh hostname, entropy and
 //! clock (see `bulkhead_sandbox::snapshot`), and the run's environment, user, working directory,
 //! console, limits, mounts and workspace (attached to the template's share slots) and network
-//! (an egress proxy of its own); it cannot yet give it disks or an image.
+//! (an egress proxy of its own); its root filesystem image, if any, is the template's. It cannot
+//! yet give it disks or another image.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};

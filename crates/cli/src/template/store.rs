@@ -31,6 +31,10 @@ pub struct TemplateManifest {
     pub kernel: PathBuf,
     /// The initramfs it booted.
     pub initrd: PathBuf,
+    /// The root filesystem image it booted (`--image`), which every clone opens again; absent
+    /// without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<PathBuf>,
     /// Guest RAM, MiB (every clone has the same).
     pub memory_mib: u32,
     /// vCPUs (every clone has the same).
