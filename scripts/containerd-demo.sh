@@ -25,8 +25,8 @@
 #      host's port 18080 to it (`ingress: ...`), a page that a task whose annotation
 #      bulkhead.io/allow-cidr=127.0.0.1/32:18081 lets out fetches through its pod's egress proxy
 #      from busybox httpd on the host's loopback, and the count of 403 answers for a port no rule
-#      names (`egress: PAGE 1`), and the resident memory of the first task's shim and VMM
-#      (`rss: ...`);
+#      names (`egress: PAGE 1`), the detached task's `ctr task metrics` (`metrics: memory=BYTES
+#      cpu=NS pids=N`), and the resident memory of the first task's shim and VMM (`rss: ...`);
 #   6. with --faults: kill -9 of a running task's VMM (the task exits with status 255, `ctr run`
 #      with it; its root is unmounted, its cgroup removed), kill -9 of a running task's shim
 #      (containerd runs the shim's `delete`: the task goes, its VMM stops, its root is unmounted
@@ -398,6 +398,11 @@ vmm="$(vmm_pid more)"
 rss="rss: shim=$(rss_of "${shim:-0}") vmm=$(rss_of "${vmm:-0}") (KiB)"
 # The VMM's cgroup (v2: the `0::` line; v1: the memory hierarchy's) and its memory limit.
 vmm_cgroup="$({ grep -E '^0::|:memory:' "/proc/${vmm:-0}/cgroup" 2>/dev/null || true; } | head -1 | cut -d: -f3)"
+# `ctr task metrics`: the pod VM's usage as its host cgroup counts it (the shim's Stats).
+metrics="$(ctr -a "$SOCK" task metrics more 2>/dev/null | awk '
+    $1 == "memory.usage_in_bytes" { m = $2 } $1 == "cpuacct.usage" { c = $2 }
+    $1 == "pids.current" { p = $2 }
+    END { print "metrics: memory=" m " cpu=" c " pids=" p }')" || true
 limit="$({ cat "/sys/fs/cgroup$vmm_cgroup/memory.max" \
     "/sys/fs/cgroup/memory$vmm_cgroup/memory.limit_in_bytes" 2>/dev/null || true; } | head -1)"
 cgroup_line="cgroup: ${vmm_cgroup:-none} memory=${limit:-none}"
@@ -452,4 +457,5 @@ egress="$(ctr -a "$SOCK" run --rm "${RUNTIME[@]}" \
 kill "$httpd_pid" 2>/dev/null || true
 wait "$httpd_pid" 2>/dev/null || true
 echo "egress:" $egress
+echo "$metrics"
 echo "$rss"

@@ -322,7 +322,7 @@ guest_test!(
         let shown = describe;
         assert!(uname.status.success(), "{}", shown(&uname));
         let stdout = String::from_utf8_lossy(&uname.stdout).into_owned();
-        let lines: Vec<&str> = stdout.lines().chain([""; 7]).collect();
+        let lines: Vec<&str> = stdout.lines().chain([""; 8]).collect();
         let release = lines[0];
         assert!(
             !release.is_empty() && release != host_release.trim(),
@@ -361,6 +361,17 @@ guest_test!(
         // The `bulkhead.io/allow-cidr` annotation lets the task out through its pod's proxy to
         // the allowed port only (the other gets the proxy's 403).
         assert_eq!(lines[6], "egress: hello-egress 1", "{}", shown(&uname));
+        // `ctr task metrics`: the pod VM's memory, CPU time and threads from its cgroup.
+        let metric = |key: &str| -> u64 {
+            lines[7]
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {key} in {:?}: {}", lines[7], shown(&uname)))
+        };
+        assert!(metric("memory=") > 1 << 20, "{}", shown(&uname));
+        assert!(metric("cpu=") > 0, "{}", shown(&uname));
+        assert!(metric("pids=") >= 2, "{}", shown(&uname));
         assert_eq!(failing.status.code(), Some(7), "{}", shown(&failing));
         assert_eq!(
             String::from_utf8_lossy(&failing.stdout),

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use cgroups_rs::fs::cgroup::Cgroup;
 use cgroups_rs::fs::cpu::CpuController;
+use cgroups_rs::fs::cpuacct::CpuAcctController;
 use cgroups_rs::fs::hierarchies::{self, V1, V2};
 use cgroups_rs::fs::memory::MemController;
 use cgroups_rs::fs::pid::PidController;
@@ -136,6 +137,14 @@ fn controllers(version: Version) -> Vec<String> {
         Version::V2 => &["memory", "cpu", "pids"],
     };
     names.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// The `usage_usec` line of a v2 `cpu.stat` (cgroup-v2.rst, "cpu.stat"); 0 without one.
+fn usage_usec(stat: &str) -> u64 {
+    stat.lines()
+        .find_map(|line| line.strip_prefix("usage_usec "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn hierarchy(version: Version) -> Box<dyn Hierarchy> {
@@ -253,6 +262,18 @@ impl CgroupManager {
     }
 }
 
+/// What a VM's cgroup has used, as the kernel counts it (`VmCgroup::usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CgroupUsage {
+    /// Memory charged now, bytes (`memory.current`; v1 `memory.usage_in_bytes`): the guest RAM
+    /// the guest has touched, the VMM's own memory and page cache charged to it.
+    pub memory_bytes: u64,
+    /// CPU time used, ns (`cpu.stat` `usage_usec` × 1000; v1 `cpuacct.usage`).
+    pub cpu_ns: u64,
+    /// Tasks (threads) in it now (`pids.current`).
+    pub pids: u64,
+}
+
 /// The cgroup of one VM.
 #[derive(Debug)]
 pub struct VmCgroup {
@@ -327,6 +348,35 @@ impl VmCgroup {
     /// Processes in the cgroup.
     pub fn pids(&self) -> Vec<u32> {
         self.cg.procs().into_iter().map(|p| p.pid as u32).collect()
+    }
+
+    /// What the cgroup has used (zeros for a counter the kernel does not offer or that cannot
+    /// be read, e.g. a cgroup that is gone).
+    pub fn usage(&self) -> CgroupUsage {
+        let memory_bytes = self
+            .cg
+            .controller_of::<MemController>()
+            .map_or(0, |m| m.memory_stat().usage_in_bytes);
+        let cpu_ns = match self.spec.version {
+            Version::V2 => self
+                .cg
+                .controller_of::<CpuController>()
+                .map_or(0, |c| usage_usec(&c.cpu().stat).saturating_mul(1000)),
+            Version::V1 => self
+                .cg
+                .controller_of::<CpuAcctController>()
+                .map_or(0, |c| c.cpuacct().usage),
+        };
+        let pids = self
+            .cg
+            .controller_of::<PidController>()
+            .and_then(|p| p.get_pid_current().ok())
+            .unwrap_or(0);
+        CgroupUsage {
+            memory_bytes,
+            cpu_ns,
+            pids,
+        }
     }
 
     /// Sets the limits of an existing cgroup (a warm-pool VM handed out with a request's
@@ -463,5 +513,21 @@ fn missing(path: &str, controller: &str) -> CgroupError {
     CgroupError::Op {
         path: path.to_owned(),
         message: format!("the {controller} controller is not available"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_is_the_usage_usec_line_of_cpu_stat() {
+        // Arrange
+        let stat = "usage_usec 1234\nuser_usec 1000\nsystem_usec 234\nnr_periods 7\n";
+
+        // Act / Assert
+        assert_eq!(usage_usec(stat), 1234);
+        assert_eq!(usage_usec("nr_periods 0\nnr_throttled 0\n"), 0);
+        assert_eq!(usage_usec("usage_usec x\n"), 0);
     }
 }

@@ -18,7 +18,7 @@ use containerd_shim_protos::cgroups::metrics::{
 };
 use containerd_shim_protos::events::task as ev;
 use containerd_shim_protos::protobuf::well_known_types::{any::Any, timestamp::Timestamp};
-use containerd_shim_protos::protobuf::{MessageDyn, MessageField};
+use containerd_shim_protos::protobuf::{Message, MessageDyn, MessageField};
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext, Code};
 
@@ -180,8 +180,14 @@ pub fn event_message(event: &TaskEvent) -> Box<dyn MessageDyn> {
     }
 }
 
+/// The type URL of cgroups v1 `Metrics` in a `Stats` answer: the message's full name, as the Go
+/// shims' `typeurl.MarshalAny` writes it. containerd 1.6 finds the type by that name in gogo's
+/// registry, which has no `type.googleapis.com/` form (with it, `ctr task metrics` fails);
+/// later containerd accepts both.
+pub const METRICS_TYPE_URL: &str = "io.containerd.cgroups.v1.Metrics";
+
 /// cgroups v1 `Metrics` (what containerd's `ctr task metrics` and the CRI plugin decode) from
-/// the backend's stats.
+/// the backend's stats, under [`METRICS_TYPE_URL`].
 pub fn metrics_any(stats: &Stats) -> Result<Any, ServiceError> {
     let metrics = Metrics {
         pids: MessageField::some(PidsStat {
@@ -205,8 +211,14 @@ pub fn metrics_any(stats: &Stats) -> Result<Any, ServiceError> {
         }),
         ..Default::default()
     };
-    Any::pack(&metrics)
-        .map_err(|e| ServiceError::InvalidArgument(format!("encoding the stats: {e}")))
+    let value = metrics
+        .write_to_bytes()
+        .map_err(|e| ServiceError::InvalidArgument(format!("encoding the stats: {e}")))?;
+    Ok(Any {
+        type_url: METRICS_TYPE_URL.to_owned(),
+        value,
+        ..Default::default()
+    })
 }
 
 fn proto_status(status: Status) -> api::Status {

@@ -22,8 +22,10 @@
 //! the pod's containers gets.
 //!
 //! The VM's size is the first container's (under Kubernetes, the pod sandbox's, whose spec has
-//! the pod's annotations). Not yet: resource updates and guest-side stats (Update is refused,
-//! Stats reports the VM's size).
+//! the pod's annotations). `Stats` reports the pod VM's usage as its host cgroup counts it (memory
+//! charged, CPU time, threads; the same for every container of the pod) and the guest's RAM as
+//! the memory limit. Not yet: resource updates (Update is refused) and per-container usage inside
+//! the guest.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -512,12 +514,16 @@ impl Backend for SharedVmBackend {
         let c = containers
             .get(container_id)
             .ok_or_else(|| BackendError::NotFound(container_id.into()))?;
-        let limit = lock(&self.0.pods)
-            .get(&c.pod)
-            .map_or(0, |p| u64::from(p.memory_mib) << 20);
+        let pods = lock(&self.0.pods);
+        let Some(pod) = pods.get(&c.pod) else {
+            return Ok(Stats::default());
+        };
+        let usage = pod.cgroup.as_ref().map(VmCgroup::usage).unwrap_or_default();
         Ok(Stats {
-            memory_limit_bytes: limit,
-            ..Stats::default()
+            memory_usage_bytes: usage.memory_bytes,
+            memory_limit_bytes: u64::from(pod.memory_mib) << 20,
+            cpu_usage_ns: usage.cpu_ns,
+            pids: usage.pids,
         })
     }
     async fn delete(&self, container_id: &str, pod: &str) -> Result<(), BackendError> {

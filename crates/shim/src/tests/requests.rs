@@ -4,6 +4,7 @@
 use containerd_shim_protos::api;
 use containerd_shim_protos::cgroups::metrics::Metrics;
 use containerd_shim_protos::events::task as ev;
+use containerd_shim_protos::protobuf::Message;
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::ttrpc::Code;
 
@@ -404,7 +405,9 @@ async fn stats_are_cgroups_v1_metrics() {
 
     let stats = h.task.stats(&ctx(), req).await.unwrap();
 
-    let metrics: Metrics = stats.stats.unwrap().unpack().unwrap().unwrap();
+    let any = stats.stats.unwrap();
+    assert_eq!(any.type_url, "io.containerd.cgroups.v1.Metrics");
+    let metrics = Metrics::parse_from_bytes(&any.value).unwrap();
     assert_eq!(metrics.memory.usage.usage, 4096);
     assert_eq!(metrics.memory.usage.limit, 1 << 26);
     assert_eq!((metrics.cpu.usage.total, metrics.pids.current), (7, 2));
