@@ -215,3 +215,60 @@ vm_test!(
         assert_eq!(daemon.leftovers(&all), Vec::<String>::new());
     }
 );
+
+/// E2B's pause and resume with a userland: a sandbox on the tests' Debian image (no scratch
+/// disk: its writable layer is in guest RAM) keeps a file python3 wrote and a running process
+/// across a pause, its VMM gone in between.
+#[test]
+fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
+    let _serial = common::real::serial();
+    // Prepared here: inside the test host only the paths are computed.
+    let rootfs = bulkhead_tests::artifacts().debian_image();
+    bulkhead_tests::in_vm_host(
+        "a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes",
+        || {
+            // Arrange
+            let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
+            let images = image_dir.parent().expect("<images>");
+            let name = image_dir.file_name().unwrap().to_str().unwrap();
+            let daemon = real_daemon(&format!("images_dir = {images:?}\n"), &[]);
+            let client = daemon.client();
+            let rt = rt();
+            let spec = bulkhead_client::CreateSandbox {
+                image: Some(name.to_owned()),
+                ..small(256)
+            };
+            let sb = rt
+                .block_on(client.create(&spec))
+                .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+            sh(
+                &daemon,
+                &sb.id,
+                "python3 -c \"open('/root/x', 'w').write('42')\"; \
+                 sleep 1000 </dev/null >/dev/null 2>&1 & echo $! > /root/pid",
+            );
+            let old_vmm = sb.vmm_pid.unwrap();
+
+            // Act
+            let paused = rt.block_on(client.pause(&sb.id));
+            let vmm_after_pause = common::alive(old_vmm);
+            let resumed = rt.block_on(client.resume(&sb.id));
+            let seen = sh(
+                &daemon,
+                &sb.id,
+                "cat /root/x; echo; kill -0 $(cat /root/pid) && echo alive",
+            );
+            rt.block_on(client.delete(&sb.id)).unwrap();
+
+            // Assert
+            let paused = paused.unwrap_or_else(|e| panic!("pause: {e}\n{}", daemon.log()));
+            assert_eq!(paused.state, SandboxState::Paused);
+            assert!(!vmm_after_pause, "the VMM {old_vmm} runs after the pause");
+            let resumed =
+                resumed.unwrap_or_else(|e| panic!("resume: {e}\n{}", vm_logs(&daemon.vms_dir())));
+            assert_eq!(seen, "42\nalive\n");
+            let new_vmm = resumed.vmm_pid.unwrap();
+            assert_eq!(daemon.leftovers(&[old_vmm, new_vmm]), Vec::<String>::new());
+        },
+    );
+}

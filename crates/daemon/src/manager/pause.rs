@@ -37,7 +37,7 @@ impl Manager {
     /// # Errors
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`]; [`ManagerError::Conflict`] when
     /// it is neither running nor paused; [`ManagerError::Unsupported`] for a sandbox whose VM
-    /// cannot be restored yet (workspace, mounts, root filesystem image) or whose VMM
+    /// cannot be restored yet (workspace, mounts, a scratch disk, data disks) or whose VMM
     /// cannot save it; [`ManagerError::Internal`] when saving failed (the VM is lost and the
     /// sandbox `failed`).
     pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
@@ -180,7 +180,10 @@ fn pausable(id: &str, spec: &SandboxSpec, runtime: Option<&Path>) -> Result<(), 
     let blockers: Vec<&str> = [
         ("a workspace", spec.workspace.is_some()),
         ("mounts", !spec.mounts.is_empty()),
-        ("a root filesystem image", spec.image.is_some()),
+        // A restore refuses writable disks; an image alone is read-only and is opened again by
+        // path (the restore checks that it is unchanged), its writable layer in guest RAM.
+        ("a scratch disk", spec.disk_mib.is_some()),
+        ("data disks", !spec.disk_files.is_empty()),
     ]
     .iter()
     .filter(|(_, has)| *has)
