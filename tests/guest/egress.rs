@@ -14,7 +14,7 @@ use std::process::{Command, Output};
 use bulkhead_egress::policy::Verdict;
 use bulkhead_egress::testing::{TestCa, TestServer};
 use bulkhead_egress::LogEntry;
-use bulkhead_tests::{artifacts, describe, in_vm_host, scratch_dir};
+use bulkhead_tests::{artifacts, describe, field, in_vm_host, scratch_dir};
 
 /// The secret's value: the test server must see it, the guest never.
 const SECRET: &str = "bulkhead-test-secret-7f3a9c";
@@ -101,15 +101,6 @@ fn bulkhead_run(server: &Server, args: &[&str], script: &str) -> Command {
         .env("TOKEN", SECRET)
         .env("SSL_CERT_FILE", &server.ca_file);
     command
-}
-
-/// The value of `key=` on the guest's report line `key=value`.
-fn field<'a>(stdout: &'a str, key: &str) -> &'a str {
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{key}=")))
-        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
-        .trim()
 }
 
 fn read_log(path: &Path) -> Vec<LogEntry> {

@@ -9,7 +9,7 @@ use std::process::Output;
 use bulkhead_egress::policy::Verdict;
 use bulkhead_egress::testing::{TestCa, TestServer};
 use bulkhead_egress::GUEST_CA_CERT_PATH;
-use bulkhead_tests::{artifacts, describe, guest_test};
+use bulkhead_tests::{artifacts, describe, field, guest_test};
 
 /// uid:gid of the direct workspace: root may not share a root-owned directory read-write.
 const OWNER: (u32, u32) = (1000, 1000);
@@ -170,15 +170,6 @@ guest_test!(
         );
     }
 );
-
-/// The value of `key=` on the guest's report line `key=value`.
-fn field<'a>(stdout: &'a str, key: &str) -> &'a str {
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{key}=")))
-        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
-        .trim()
-}
 
 guest_test!(
     fn a_clone_with_network_flags_gets_its_own_proxy_and_one_without_has_none() {

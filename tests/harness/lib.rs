@@ -432,6 +432,18 @@ pub fn run_with_env(program: &Path, args: &[&str], env: &[(&str, &Path)]) -> Out
     }
 }
 
+/// The value on the line `key=value` of a guest script's report `stdout`, trimmed.
+///
+/// # Panics
+/// When no line starts with `key=` (the message shows `stdout`).
+pub fn field<'a>(stdout: &'a str, key: &str) -> &'a str {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {stdout:?}"))
+        .trim()
+}
+
 /// `output`'s stdout and stderr as text, for assertion messages.
 pub fn describe(output: &Output) -> String {
     format!(

@@ -15,7 +15,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
-use common::real::{multi_rt, real_daemon, serial, small, vm_logs};
+use common::real::{http_server, multi_rt, real_daemon, serial, small, vm_logs};
 use common::{cgroup_file, rt, wait_until, TestDaemon};
 
 /// Sandboxes booted at once by the concurrency test (the acceptance number).
@@ -508,10 +508,8 @@ vm_test!(
     fn a_sandbox_with_a_network_reaches_only_what_it_allows_also_after_a_daemon_restart() {
         // Arrange: a plain-HTTP test server on the test host's loopback, allowed by CIDR and
         // port; the guest's busybox wget honours http_proxy.
-        let server_rt = multi_rt();
-        let ca = bulkhead_egress::testing::TestCa::new();
-        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
-        let port = server.http_port;
+        let server = http_server();
+        let port = server.port;
         let mut daemon = real_daemon("", &[]);
         let client = daemon.client();
         let rt = rt();

@@ -10,10 +10,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{symlink, FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
-use bulkhead_client::ExecSpec;
 use bulkhead_protocol::archive::{self, PackOptions, UnpackOptions};
-use common::real::{real_daemon, small, vm_logs};
-use common::{rt, TestDaemon};
+use common::real::{real_daemon, sh, small, vm_logs};
+use common::rt;
 
 const GIB: u64 = 1 << 30;
 
@@ -51,17 +50,6 @@ fn assert_same(got: &[bulkhead_tests::tree::Entry], want: &[bulkhead_tests::tree
         assert_eq!(g, w, "first difference");
     }
     assert_eq!(got.len(), want.len(), "entry counts");
-}
-
-fn sh(daemon: &TestDaemon, id: &str, script: &str) -> String {
-    let out = rt()
-        .block_on(
-            daemon
-                .client()
-                .exec_collect(id, &ExecSpec::new(["sh", "-c", script])),
-        )
-        .unwrap_or_else(|e| panic!("{script}: {e}\n{}", vm_logs(&daemon.vms_dir())));
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]

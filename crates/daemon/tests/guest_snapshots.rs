@@ -8,17 +8,15 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::SandboxState;
-use common::real::{multi_rt, pool_ready, real_daemon, real_pool_daemon, sh, small, vm_logs};
+use common::real::{http_server, pool_ready, real_daemon, real_pool_daemon, sh, small, vm_logs};
 use common::{rt, wait_until};
 
 vm_test!(
     fn a_paused_real_vm_has_no_vmm_and_resumes_with_its_files_and_processes() {
         // Arrange: a sandbox with a network (a plain-HTTP test server on the test host's
         // loopback allowed), a file in guest RAM and a process left running.
-        let server_rt = multi_rt();
-        let ca = bulkhead_egress::testing::TestCa::new();
-        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
-        let port = server.http_port;
+        let server = http_server();
+        let port = server.port;
         let daemon = real_daemon("", &[]);
         let client = daemon.client();
         let rt = rt();
@@ -99,10 +97,8 @@ vm_test!(
     fn a_real_pooled_clone_is_handed_out_with_the_templates_files_and_its_own_hostname() {
         // Arrange: template `base` (its guest wrote /tmp/x), a daemon keeping a clone of it, a
         // plain-HTTP test server on the test host's loopback for the networked clone.
-        let server_rt = multi_rt();
-        let ca = bulkhead_egress::testing::TestCa::new();
-        let server = server_rt.block_on(bulkhead_egress::testing::TestServer::start(&ca));
-        let port = server.http_port;
+        let server = http_server();
+        let port = server.port;
         let (mut daemon, _) = real_pool_daemon(1);
         let client = daemon.client();
         let rt = rt();

@@ -34,6 +34,27 @@ macro_rules! vm_test {
     };
 }
 
+/// The egress tests' server (`bulkhead_egress::testing`) on the test host's loopback, served
+/// for as long as this value lives; its plain-HTTP `port` answers `GET /` with a greeting.
+pub struct HttpServer {
+    /// The plain-HTTP port on 127.0.0.1.
+    pub port: u16,
+    _server: bulkhead_egress::testing::TestServer,
+    _runtime: tokio::runtime::Runtime,
+}
+
+/// Starts an [`HttpServer`] (with a test CA of its own for its TLS port).
+pub fn http_server() -> HttpServer {
+    let runtime = multi_rt();
+    let ca = bulkhead_egress::testing::TestCa::new();
+    let server = runtime.block_on(bulkhead_egress::testing::TestServer::start(&ca));
+    HttpServer {
+        port: server.http_port,
+        _server: server,
+        _runtime: runtime,
+    }
+}
+
 /// A multi-threaded runtime, for tests that run many client calls at once (or serve a test
 /// server beside the daemon).
 pub fn multi_rt() -> tokio::runtime::Runtime {
