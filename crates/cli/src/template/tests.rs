@@ -436,6 +436,18 @@ fn a_create_removes_what_killed_creates_left() {
     assert!(!stale.exists());
 }
 
+/// The recipe `run --template` makes of `args` for `template` (its sizes, `args`' flags).
+fn recipe_of(args: &crate::run::RunArgs, template: &Template) -> bulkhead_sandbox::Recipe {
+    let (vcpus, memory_mib) = sizes(None, None, &template.manifest).unwrap();
+    let spec = bulkhead_sandbox::SandboxSpec {
+        vcpus,
+        memory_mib,
+        ..crate::run::sandbox_spec(args).unwrap()
+    };
+    let host = crate::run::host_settings(args, &spec).unwrap();
+    restore_recipe(&spec, &host, template, "0123456789ab").unwrap()
+}
+
 #[test]
 fn a_restore_gets_the_runs_environment_user_and_directory_on_the_templates_machine() {
     // Arrange
@@ -455,16 +467,9 @@ fn a_restore_gets_the_runs_environment_user_and_directory_on_the_templates_machi
         "--",
         "true",
     ]);
-    let (vcpus, memory_mib) = sizes(None, None, &template.manifest).unwrap();
-    let spec = bulkhead_sandbox::SandboxSpec {
-        vcpus,
-        memory_mib,
-        ..crate::run::sandbox_spec(&args).unwrap()
-    };
-    let host = crate::run::host_settings(&args, &spec).unwrap();
 
     // Act
-    let recipe = restore_recipe(&spec, &host, &template, "0123456789ab").unwrap();
+    let recipe = recipe_of(&args, &template);
     let request = crate::run::exec_request(&args, &recipe.exec);
 
     // Assert
@@ -498,16 +503,9 @@ fn a_restore_recipe_with_network_flags_gets_the_proxy_settings() {
         "--",
         "true",
     ]);
-    let (vcpus, memory_mib) = sizes(None, None, &template.manifest).unwrap();
-    let spec = bulkhead_sandbox::SandboxSpec {
-        vcpus,
-        memory_mib,
-        ..crate::run::sandbox_spec(&args).unwrap()
-    };
-    let host = crate::run::host_settings(&args, &spec).unwrap();
 
     // Act
-    let recipe = restore_recipe(&spec, &host, &template, "0123456789ab").unwrap();
+    let recipe = recipe_of(&args, &template);
 
     // Assert
     let egress = recipe
