@@ -515,6 +515,10 @@ fn testhost_hint(verb: &str, shares: &[PathBuf], pass: &[&str]) -> String {
 }
 
 /// [`testhost_hint`] with the environment overrides `env` (name, path) given.
+/// bulkhead's runtime directory inside the test host when the hint shares `/tmp`: a directory of
+/// the test host's own root file system.
+const TESTHOST_RUNTIME_DIR: &str = "/var/lib/bulkhead-run";
+
 fn testhost_hint_with(
     verb: &str,
     shares: &[PathBuf],
@@ -537,10 +541,15 @@ fn testhost_hint_with(
         .iter()
         .map(|d| format!("--share {} ", path(d)))
         .collect();
+    // A share over the test host's /tmp would put bulkhead's default runtime directory there
+    // (`/tmp/bulkhead-<uid>`), on a 9p share, which cannot hold the VM's Unix sockets.
+    let tmp_shared = dirs.iter().any(|d| Path::new("/tmp").starts_with(d));
+    let runtime = tmp_shared.then(|| format!("-e BULKHEAD_RUNTIME_DIR={TESTHOST_RUNTIME_DIR} "));
     let env_args: String = env
         .iter()
         .map(|(key, value)| format!("-e {} ", shell_quote(&format!("{key}={}", value.display()))))
         .chain(pass.iter().map(|name| format!("-e {} ", shell_quote(name))))
+        .chain(runtime)
         .collect();
     format!(
         "bulkhead-testhost run --share {bin} --share {data} {extra}-e BULKHEAD_DATA_DIR={data} {env_args}-- {exe} {verb}",

@@ -210,6 +210,20 @@ fn the_testhost_hint_passes_overrides_on_with_their_dirs_and_secrets_by_name() {
     assert_eq!(hint.matches("--share /k ").count(), 1, "{hint}");
 }
 
+#[test]
+fn a_hint_that_shares_tmp_moves_the_runtime_directory_off_the_share() {
+    // Arrange / Act
+    let tmp = testhost_hint_with("run -- true", &[PathBuf::from("/tmp")], &[], &[]);
+    let other = testhost_hint_with("run -- true", &[PathBuf::from("/srv/out")], &[], &[]);
+
+    // Assert
+    assert!(
+        tmp.contains(" --share /tmp ") && tmp.contains(" -e BULKHEAD_RUNTIME_DIR=/var/lib/"),
+        "{tmp}"
+    );
+    assert!(!other.contains("BULKHEAD_RUNTIME_DIR"), "{other}");
+}
+
 /// `bulkhead run` parsed from `words` (after `run`).
 pub(crate) fn run_args(words: &[&str]) -> RunArgs {
     #[derive(clap::Parser)]
