@@ -213,7 +213,7 @@ pub enum SpecError {
         reason: String,
     },
     /// A kernel or image name the host does not have.
-    #[error("unknown {what} {name:?}: {where_} has {} ({hint})", known_names(.known))]
+    #[error("unknown {what} {name:?}: {where_} has {} ({hint})", known_names(.what, .known))]
     UnknownName {
         /// `kernel` or `image`.
         what: &'static str,
@@ -256,9 +256,10 @@ pub enum SpecError {
     Network(#[from] PolicyError),
 }
 
-fn known_names(known: &[String]) -> String {
+/// What a host has instead of an unknown name: `no image at all`, or the names it has.
+fn known_names(what: &str, known: &[String]) -> String {
     match known.is_empty() {
-        true => "none".to_owned(),
+        true => format!("no {what} at all"),
         false => known.join(", "),
     }
 }
