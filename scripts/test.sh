@@ -18,7 +18,10 @@
 # so the dependencies are not rebuilt on every clone (only the workspace's own crates, whose
 # sources are new to cargo). BULKHEAD_TARGET_CACHE=DIR picks another cache directory,
 # BULKHEAD_TARGET_CACHE=none turns this off; the cache is emptied when it has grown past
-# BULKHEAD_TARGET_CACHE_GIB (default 40). Runs that share a cache take turns (a lock), so that
+# BULKHEAD_TARGET_CACHE_GIB (default 40), or when its file system has less than
+# BULKHEAD_MIN_FREE_GIB (default 15) free after its stale parts (incremental state, test
+# executables not run for a day) are gone: a full disk fails builds and tests in ways that look
+# like bugs (a scratch disk "larger than the free space"). Runs that share a cache take turns (a lock), so that
 # one clone's tests never run another clone's binaries. An existing target/ is left alone.
 set -euo pipefail
 
@@ -39,16 +42,34 @@ use_target_cache() {
     [[ -L target && "$(readlink target)" == "$cache/main" ]] || return 0
     exec 9>"$cache/.lock"
     flock -n 9 || { log "waiting for another scripts/test.sh that uses $cache"; flock 9; }
-    local gib used
+    prune_target_cache "$cache"
+    local gib used min_free free
     gib="${BULKHEAD_TARGET_CACHE_GIB:-40}"
+    min_free="${BULKHEAD_MIN_FREE_GIB:-15}"
     used="$(du -s --block-size=1G "$cache" | cut -f1)"
-    if ((used > gib)); then
-        log "the target cache holds $used GiB (> $gib): emptying it"
+    free="$(free_gib "$cache")"
+    if ((used > gib || free < min_free)); then
+        log "the target cache holds $used GiB (limit $gib), $free GiB free (at least $min_free): emptying it"
         rm -rf "${cache:?}/main" "${cache:?}/fuzz"
         mkdir -p "$cache/main" "$cache/fuzz"
     fi
 }
+
+# free_gib DIR: GiB free for unprivileged users on DIR's file system.
+free_gib() { df --output=avail --block-size=1G "$1" | tail -n 1 | tr -d ' '; }
+
+# prune_target_cache DIR: removes what a later build does not need: incremental state (CI builds
+# each commit's crates once) and test executables not modified for a day (older commits' tests).
+prune_target_cache() {
+    find "$1" -maxdepth 6 -type d -name incremental -prune -exec rm -rf {} +
+    find "$1" -maxdepth 6 -path '*/deps/*' -type f ! -name '*.*' -mtime +0 -delete
+}
 use_target_cache
+# One build per commit: incremental state would only fill the disk.
+export CARGO_INCREMENTAL=0
+if (($(free_gib .) < ${BULKHEAD_MIN_FREE_GIB:-15})); then
+    log "warning: only $(free_gib .) GiB free here; builds and the tests' disks may fail"
+fi
 
 TIMES="$(mktemp)"
 TEST_LOG="$(mktemp)"
