@@ -112,7 +112,8 @@ image_test!(
 image_test!(
     fn a_template_on_the_image_gives_each_clone_its_files_and_python() {
         // Arrange: a template booted from the Debian image (templates in a directory of their
-        // own), whose preparation wrote a file with python3 into the RAM-backed writable layer.
+        // own) with a scratch disk, whose preparation wrote a file with python3 into the
+        // writable layer on that disk, saved with the template.
         let a = artifacts();
         let data = tempfile::tempdir().unwrap();
         let image = a.debian_image().display().to_string();
@@ -130,6 +131,8 @@ image_test!(
             "deb",
             "--image",
             &image,
+            "--disk",
+            "64",
             "--boot-timeout",
             "300",
             "--",
@@ -138,19 +141,26 @@ image_test!(
             prepare,
         ]);
         assert!(created.status.success(), "{}", describe(&created));
-        let first_script = "cat /root/answer; python3 -c 'print(6*7)'; echo mine > /root/own";
+        let saved_disk = data.path().join("templates/deb/disk-1.img");
+        let saved_before = sha256_hex(&fs::read(&saved_disk).expect("the template's saved disk"));
+        let first_script = "cat /root/answer; python3 -c 'print(6*7)'; echo mine > /root/own; sync";
         let second_script = "cat /root/answer; cat /root/own 2>/dev/null || echo none";
 
         // Act
         let first = bulkhead(&["run", "--template", "deb", "--", "sh", "-c", first_script]);
         let second = bulkhead(&["run", "--template", "deb", "--", "sh", "-c", second_script]);
+        let saved_after = sha256_hex(&fs::read(&saved_disk).expect("the template's saved disk"));
 
         // Assert: both clones read the template's file, python3 runs from the image, and the
-        // first clone's write is its own.
+        // first clone's write is its own (on its own copy of the scratch disk).
         assert!(first.status.success(), "{}", describe(&first));
         assert_eq!(text(&first.stdout), "42\n42\n", "{}", describe(&first));
         assert!(second.status.success(), "{}", describe(&second));
         assert_eq!(text(&second.stdout), "42\nnone\n", "{}", describe(&second));
+        assert_eq!(
+            saved_before, saved_after,
+            "a clone wrote to the template's disk"
+        );
     }
 );
 

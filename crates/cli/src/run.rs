@@ -22,10 +22,11 @@ use crate::network::{self, NetworkArgs};
 use crate::{run_export, rundir};
 use closed_stdio::Output;
 use output::{forward_stdin, write_out};
+use parse::parse_hostname;
 pub(crate) use parse::{
-    parse_cpu_quota, parse_env, parse_kernel_arg, parse_memory, parse_positive_seconds, parse_vcpus,
+    parse_cpu_quota, parse_env, parse_kernel_arg, parse_memory, parse_positive_seconds,
+    parse_scratch_mib, parse_vcpus,
 };
-use parse::{parse_hostname, parse_scratch_mib};
 
 pub(crate) mod closed_stdio;
 pub(crate) mod limits;

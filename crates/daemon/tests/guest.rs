@@ -370,15 +370,17 @@ fn scratch_disks(vms: &std::path::Path) -> Vec<std::path::PathBuf> {
 
 /// The Debian test image of the tests crate (built once and cached, outside the test host) in
 /// the daemon's image store, with a scratch disk: the image's userland runs, writes land on the
-/// scratch disk, and DELETE removes it.
+/// scratch disk, a pause saves the disk with the VM (no scratch disk in the runtime root while
+/// paused) and the resumed guest reads its files back, and DELETE removes the disk.
 #[test]
-fn a_sandbox_on_the_debian_image_runs_python_writes_to_its_scratch_disk_and_delete_removes_it() {
+fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pause_and_delete_removes_it(
+) {
     let _serial = serial();
     // Prepared here: inside the test host only the paths are computed.
     let rootfs = bulkhead_tests::artifacts().debian_image();
     let e2fs = bulkhead_tests::artifacts().e2fs_dir();
     bulkhead_tests::in_vm_host(
-        "a_sandbox_on_the_debian_image_runs_python_writes_to_its_scratch_disk_and_delete_removes_it",
+        "a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pause_and_delete_removes_it",
         || {
             // Arrange: the daemon formats scratch disks with the `mkfs.ext4` that runs in the
             // test host (its initramfs has none); inner runs are single-threaded.
@@ -420,11 +422,21 @@ fn a_sandbox_on_the_debian_image_runs_python_writes_to_its_scratch_disk_and_dele
             let written = collect(&[
                 "sh",
                 "-c",
-                "cat /root/note.txt && dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null && sync",
+                "cat /root/note.txt && dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null && sync && md5sum /root/blob",
             ]);
             let allocated = std::fs::metadata(&scratch[0])
                 .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
                 .unwrap_or(0);
+            rt.block_on(client.pause(&sb.id))
+                .unwrap_or_else(|e| fail("pause", e));
+            let scratch_while_paused = scratch_disks(&daemon.vms_dir());
+            let saved_disk = daemon.state_dir.join("paused").join(&sb.id).join("disk-1.img");
+            let saved_while_paused = saved_disk.exists();
+            let resumed = rt
+                .block_on(client.resume(&sb.id))
+                .unwrap_or_else(|e| fail("resume", e));
+            let read_back = collect(&["sh", "-c", "cat /root/note.txt && md5sum /root/blob"]);
+            let scratch_after_resume = scratch_disks(&daemon.vms_dir());
             rt.block_on(client.delete(&sb.id))
                 .unwrap_or_else(|e| fail("delete", e));
 
@@ -433,14 +445,21 @@ fn a_sandbox_on_the_debian_image_runs_python_writes_to_its_scratch_disk_and_dele
             assert_eq!(sb.disk_mib, Some(64));
             assert_eq!(scratch.len(), 1, "one scratch disk while it runs");
             assert_eq!(String::from_utf8_lossy(&python.stdout), "42\n", "{python:?}");
-            assert_eq!(String::from_utf8_lossy(&written.stdout), "kept", "{written:?}");
+            let written = String::from_utf8_lossy(&written.stdout).into_owned();
+            assert!(written.starts_with("kept") && written.contains("/root/blob"), "{written}");
             assert!(
                 allocated >= 16 << 20,
                 "the guest's 16 MiB did not land on the scratch disk ({allocated} bytes allocated)"
             );
-            assert!(!scratch[0].exists(), "DELETE left {}", scratch[0].display());
+            assert_eq!(scratch_while_paused, Vec::<std::path::PathBuf>::new());
+            assert!(saved_while_paused, "no {} while paused", saved_disk.display());
+            assert_eq!(String::from_utf8_lossy(&read_back.stdout), written);
+            assert_eq!(scratch_after_resume.len(), 1, "the resumed VM's scratch disk");
+            for disk in scratch.iter().chain(&scratch_after_resume) {
+                assert!(!disk.exists(), "DELETE left {}", disk.display());
+            }
             assert_eq!(
-                daemon.leftovers(&[sb.vmm_pid.unwrap()]),
+                daemon.leftovers(&[sb.vmm_pid.unwrap(), resumed.vmm_pid.unwrap()]),
                 Vec::<String>::new()
             );
         },
@@ -514,10 +533,7 @@ vm_test!(
         let client = daemon.client();
         let rt = rt();
         let request = bulkhead_client::CreateSandbox {
-            network: Some(bulkhead_client::NetworkRequest {
-                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
-                ..Default::default()
-            }),
+            network: Some(server.network()),
             ..small(128)
         };
         let sb = rt

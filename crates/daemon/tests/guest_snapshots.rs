@@ -21,10 +21,7 @@ vm_test!(
         let client = daemon.client();
         let rt = rt();
         let request = bulkhead_client::CreateSandbox {
-            network: Some(bulkhead_client::NetworkRequest {
-                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
-                ..Default::default()
-            }),
+            network: Some(server.network()),
             ..small(64)
         };
         let sb = rt.block_on(client.create(&request)).unwrap();
@@ -112,10 +109,7 @@ vm_test!(
         request.env.insert("GREETING".into(), "hi".into());
         let networked = bulkhead_client::CreateSandbox {
             template: Some("base".into()),
-            network: Some(bulkhead_client::NetworkRequest {
-                allow_cidr: vec![format!("127.0.0.1/32:{port}")],
-                ..Default::default()
-            }),
+            network: Some(server.network()),
             ..bulkhead_client::CreateSandbox::default()
         };
         let fetch = format!("cat /tmp/x; wget -q -O - http://127.0.0.1:{port}/");

@@ -67,8 +67,13 @@ pub fn socket_path(vsock_path: &Path) -> PathBuf {
     PathBuf::from(format!("{}_{EGRESS_PORT}", vsock_path.display()))
 }
 
-/// Where the proxy of `settings` logs: the settings' log, else `<runtime_dir>/egress.jsonl`.
-pub(crate) fn log_path(settings: &EgressSettings, runtime_dir: &Path) -> PathBuf {
+/// Where the proxy of `settings` logs: the settings' log, else `<runtime_dir>/egress.jsonl`;
+/// `None` without a network (no settings).
+pub(crate) fn log_path(settings: Option<&EgressSettings>, runtime_dir: &Path) -> Option<PathBuf> {
+    settings.map(|s| log_file(s, runtime_dir))
+}
+
+fn log_file(settings: &EgressSettings, runtime_dir: &Path) -> PathBuf {
     settings
         .log
         .clone()
@@ -92,7 +97,7 @@ pub(crate) fn start(
     let mut config = ProxyConfig::new(
         settings.policy.clone(),
         Listen::Unix(socket_path(vsock_path)),
-        log_path(settings, runtime_dir),
+        log_file(settings, runtime_dir),
     );
     config.resolver = Some(Arc::new(HostsResolver::new(pinned)));
     Ok(EgressProxy::start(config)?)

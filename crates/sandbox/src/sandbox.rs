@@ -339,10 +339,7 @@ impl Sandbox {
             vmm_start: clock.map(|c| c.origin().saturating_duration_since(started)),
             phases,
         };
-        let egress_log = config
-            .egress
-            .as_ref()
-            .map(|settings| egress::log_path(settings, dir.path()));
+        let egress_log = egress::log_path(config.egress.as_ref(), dir.path());
         Ok(Sandbox {
             dir: Some(dir.keep()),
             child: Some(VmmProcess::Child(child)),
@@ -401,7 +398,7 @@ impl Sandbox {
         let proxy = start_proxy(settings, &dir, &self.uds_path, jail::active(true))?;
         let client = AgentClient::hybrid(&self.uds_path).with_timeout(timeout);
         install_egress_ca(&client, Some(&proxy))?;
-        self.egress_log = Some(egress::log_path(settings, &dir));
+        self.egress_log = egress::log_path(Some(settings), &dir);
         self.egress = Some(proxy);
         Ok(())
     }

@@ -25,7 +25,9 @@
 //! `RestoredRequest` and the new CA is added to the guest's trust ([`crate::egress`]). A
 //! snapshot's read-only disks (a root filesystem image, with the writable layer in guest RAM)
 //! are opened again by path; the manifest records each file's identity and a restore refuses
-//! one that changed, and a writable disk ([`disks`]). A restore cannot add disks.
+//! one that changed. The sandbox's scratch disk is saved with the snapshot and every restore
+//! writes to its own copy; a restore refuses any other writable disk ([`disks`]). A restore
+//! cannot add disks.
 
 use std::fs;
 use std::io::{self, Read};
@@ -160,13 +162,15 @@ impl Sandbox {
         if jailed {
             files::move_snapshot(&target, dir)?;
         }
+        let mut disks = disks::identities(dir)?;
+        disks::save_own(dir, &runtime, &mut disks)?;
         let manifest = Manifest {
             bulkhead_version: env!("CARGO_PKG_VERSION").into(),
             created_unix_ms: unix_ms(SystemTime::now()),
             memory_mib: config.memory_mib,
             vcpus: config.vcpus,
             ready: self.ready.clone(),
-            disks: disks::identities(dir)?,
+            disks,
         };
         manifest.write(dir)?;
         if self.wait_exit(EXIT_AFTER_SNAPSHOT)?.is_none() {
@@ -194,7 +198,7 @@ impl Sandbox {
     pub fn restore(config: &SandboxConfig, dir: &Path) -> Result<Sandbox, Error> {
         let started = Instant::now();
         let manifest = Manifest::read(dir)?;
-        check_restorable(config, &manifest)?;
+        check_restorable(config, &manifest, dir)?;
         let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
         let runtime = make_runtime_dir(&config.runtime_dir)?;
         let saved = bulkhead_vmm::snapshot::share_tags(dir)
@@ -217,12 +221,10 @@ impl Sandbox {
         };
         // Listening before the guest resumes; stopped (dropped) if anything below fails.
         let egress = start_egress(config, runtime.path(), &uds_path)?;
-        let egress_log = config
-            .egress
-            .as_ref()
-            .map(|settings| egress::log_path(settings, runtime.path()));
+        let egress_log = egress::log_path(config.egress.as_ref(), runtime.path());
         let mut launch = restore_args(config, dir, runtime.path(), &uds_path);
         launch.extend(attached.args());
+        launch.extend(disks::restore_args(dir, runtime.path(), &manifest.disks)?);
         let launch: Vec<&std::ffi::OsStr> = launch.iter().map(|a| a.as_os_str()).collect();
         let options = SpawnOptions {
             kill_on_parent_exit: config.kill_on_parent_exit,
@@ -327,7 +329,7 @@ impl Sandbox {
 }
 
 /// Refuses what a restore cannot honour.
-fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), Error> {
+fn check_restorable(config: &SandboxConfig, manifest: &Manifest, dir: &Path) -> Result<(), Error> {
     let refuse = |what: String| Err(Error::Snapshot(what));
     if config.memory_mib != manifest.memory_mib {
         return refuse(format!(
@@ -341,7 +343,7 @@ fn check_restorable(config: &SandboxConfig, manifest: &Manifest) -> Result<(), E
             manifest.vcpus, config.vcpus
         ));
     }
-    disks::check(&manifest.disks)
+    disks::check(dir, &manifest.disks)
 }
 
 /// Where a jailed VMM writes a snapshot, in its runtime directory.

@@ -50,7 +50,9 @@ struct Args {
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kernel", "initrd", "cmdline", "vcpus", "memory", "serial", "debugcon", "vsock_uds", "disks", "shares", "restore"])]
     config: Option<PathBuf>,
     /// Restore the VM snapshotted into DIR (its `state` and `memory` files) instead of booting.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline", "disks"])]
+    /// With `--disk`, the files of its disks instead of the saved paths (one per saved disk, in
+    /// order, read-only where the saved one was: e.g. a copy of a writable disk saved with it).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["kernel", "initrd", "cmdline"])]
     restore: Option<PathBuf>,
     /// Serve the control socket at PATH: pause, resume, snapshot (JSON lines; see
     /// `bulkhead_vmm::control`).
@@ -166,6 +168,7 @@ impl Args {
             serial: self.serial.clone(),
             debugcon: self.debugcon.clone(),
             shares: self.shares.clone(),
+            disks: self.disks.clone(),
             memory_mib: None,
             vcpus: None,
         }

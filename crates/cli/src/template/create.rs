@@ -39,6 +39,11 @@ pub struct CreateArgs {
     /// name makes the template unusable (clones refuse to start; make it again).
     #[arg(long, value_name = "NAME|PATH")]
     image: Option<String>,
+    /// Keep the writable layer of --image on a scratch disk of this many MiB (as `run --disk`)
+    /// instead of guest RAM: for preparations that write more than the guest's memory holds.
+    /// The disk is saved with the template (holes kept) and every clone writes to its own copy.
+    #[arg(long = "disk", value_name = "MIB", requires = "image", value_parser = run::parse_scratch_mib)]
+    scratch_mib: Option<u64>,
     /// The preparation command and its arguments, run before the snapshot; it must exit 0.
     #[arg(last = true, value_name = "CMD")]
     prepare: Vec<String>,
@@ -127,6 +132,7 @@ fn abort(code: Result<u8, String>, name: &str) -> Result<u8, String> {
 fn recipe(args: &CreateArgs, id: &str) -> Result<Recipe, String> {
     let spec = SandboxSpec {
         image: args.image.as_deref().map(run::image_ref),
+        disk_mib: args.scratch_mib,
         ..args.machine.spec()
     };
     bulkhead_sandbox::build(&spec, &args.machine.host(), id).map_err(|e| e.to_string())
@@ -148,6 +154,7 @@ fn file_dirs(args: &CreateArgs) -> Vec<PathBuf> {
 fn manifest(args: &CreateArgs, recipe: &Recipe) -> TemplateManifest {
     TemplateManifest {
         image: recipe.storage.root_image.as_deref().map(absolute),
+        disk_mib: recipe.storage.scratch_mib,
         name: args.name.clone(),
         kernel: absolute(&recipe.config.kernel),
         initrd: absolute(&recipe.config.initrd),

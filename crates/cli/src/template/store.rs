@@ -35,6 +35,9 @@ pub struct TemplateManifest {
     /// without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<PathBuf>,
+    /// The scratch disk's size, MiB (`--disk`), saved with the template; absent without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mib: Option<u64>,
     /// Guest RAM, MiB (every clone has the same).
     pub memory_mib: u32,
     /// vCPUs (every clone has the same).

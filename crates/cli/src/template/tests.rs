@@ -20,6 +20,7 @@ fn manifest(name: &str) -> TemplateManifest {
         kernel: PathBuf::from("/k/vmlinux"),
         initrd: PathBuf::from("/k/initramfs.cpio.lz4"),
         image: None,
+        disk_mib: None,
         memory_mib: 512,
         vcpus: 2,
         created: "2026-01-31T12:00:00Z".to_owned(),

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! A pause saves the VM into `<state_dir>/paused/<id>/` (`bulkhead_sandbox::Sandbox::
-//! snapshot_into`), which stops its VMM; the sandbox's cgroup and runtime directory go with it,
+//! snapshot_into`; with its scratch disk, if it has one), which stops its VMM; the sandbox's cgroup and runtime directory go with it,
 //! so a paused sandbox holds nothing but its record and those files, and it survives daemon
 //! restarts. A resume restores the VM (`Sandbox::restore`) in the sandbox's cgroup, re-made with
 //! the limits recorded at create, under the same ID; the guest's processes and files are as they
@@ -37,7 +37,7 @@ impl Manager {
     /// # Errors
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`]; [`ManagerError::Conflict`] when
     /// it is neither running nor paused; [`ManagerError::Unsupported`] for a sandbox whose VM
-    /// cannot be restored yet (workspace, mounts, a scratch disk, data disks) or whose VMM
+    /// cannot be restored yet (workspace, mounts, data disks) or whose VMM
     /// cannot save it; [`ManagerError::Internal`] when saving failed (the VM is lost and the
     /// sandbox `failed`).
     pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
@@ -180,9 +180,9 @@ fn pausable(id: &str, spec: &SandboxSpec, runtime: Option<&Path>) -> Result<(), 
     let blockers: Vec<&str> = [
         ("a workspace", spec.workspace.is_some()),
         ("mounts", !spec.mounts.is_empty()),
-        // A restore refuses writable disks; an image alone is read-only and is opened again by
-        // path (the restore checks that it is unchanged), its writable layer in guest RAM.
-        ("a scratch disk", spec.disk_mib.is_some()),
+        // An image is read-only and is opened again by path (the restore checks that it is
+        // unchanged); the scratch disk is saved with the VM. A restore refuses data disks: the
+        // caller's files, which the daemon cannot keep as they were.
         ("data disks", !spec.disk_files.is_empty()),
     ]
     .iter()

@@ -197,6 +197,11 @@ impl TestDaemon {
                 .map(|p| format!("record {}", p.display())),
         );
         left.extend(
+            list(&self.state_dir.join("paused"))
+                .iter()
+                .map(|p| format!("saved VM {}", p.display())),
+        );
+        left.extend(
             self.vm_cgroups()
                 .iter()
                 .map(|p| format!("cgroup {}", p.display())),

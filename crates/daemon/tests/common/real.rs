@@ -43,6 +43,16 @@ pub struct HttpServer {
     _runtime: tokio::runtime::Runtime,
 }
 
+impl HttpServer {
+    /// A network that reaches this server's plain-HTTP port and nothing else.
+    pub fn network(&self) -> bulkhead_client::NetworkRequest {
+        bulkhead_client::NetworkRequest {
+            allow_cidr: vec![format!("127.0.0.1/32:{}", self.port)],
+            ..Default::default()
+        }
+    }
+}
+
 /// Starts an [`HttpServer`] (with a test CA of its own for its TLS port).
 pub fn http_server() -> HttpServer {
     let runtime = multi_rt();

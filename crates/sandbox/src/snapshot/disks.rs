@@ -1,8 +1,12 @@
 //! The disks of a snapshot's VM: a restore opens each again by its path (the guest's page cache
 //! and file system state in the snapshot's memory describe the file as it was), so the snapshot
 //! records what each file was ([`DiskIdentity`]) and a restore refuses a file that changed since
-//! (e.g. an image rebuilt under the same name), and a writable disk, which every clone would
-//! write to at once.
+//! (e.g. an image rebuilt under the same name).
+//!
+//! A writable disk of the sandbox's own (its scratch disk, in its runtime directory) is saved
+//! with the snapshot: moved into the snapshot directory as `disk-<index>.img`, and every restore
+//! writes to its own hole-keeping copy of it in its runtime directory. A restore refuses any
+//! other writable disk (a data disk of the caller's), which every clone would write to at once.
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -10,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::files;
 use crate::sandbox::Error;
 
 /// A disk of a snapshot's VM as it was when the snapshot was taken.
@@ -28,6 +33,10 @@ pub struct DiskIdentity {
     pub size: u64,
     /// Its modification time, ns since the Unix epoch: a file written in place differs.
     pub modified_ns: i128,
+    /// For a writable disk saved with the snapshot: its file in the snapshot directory (the
+    /// disk's contents at the snapshot, `size` bytes), which each restore copies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saved: Option<String>,
 }
 
 impl DiskIdentity {
@@ -41,6 +50,7 @@ impl DiskIdentity {
             inode: meta.ino(),
             size: meta.size(),
             modified_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            saved: None,
         })
     }
 }
@@ -62,14 +72,93 @@ pub(super) fn identities(dir: &Path) -> Result<Vec<DiskIdentity>, Error> {
         .collect()
 }
 
-/// Refuses a restore of a snapshot whose `disks` cannot be shared as they are: a writable one,
-/// or one whose file is missing or changed since the snapshot.
+/// Moves each writable disk of `disks` that lives in the sandbox's runtime directory `runtime`
+/// (its scratch disk, which dies with it) into the snapshot directory `dir`, and records it
+/// there ([`DiskIdentity::saved`]). Call with the VMM stopped.
+///
+/// # Errors
+/// [`Error::Snapshot`] when a disk cannot be moved.
+pub(super) fn save_own(
+    dir: &Path,
+    runtime: &Path,
+    disks: &mut [DiskIdentity],
+) -> Result<(), Error> {
+    for (index, disk) in disks.iter_mut().enumerate() {
+        // (An empty path is a prefix of every path.)
+        if disk.read_only || runtime.as_os_str().is_empty() || !disk.path.starts_with(runtime) {
+            continue;
+        }
+        let name = format!("disk-{index}.img");
+        files::move_file(&disk.path, &dir.join(&name)).map_err(|e| {
+            Error::Snapshot(format!(
+                "cannot save the disk {} into {}: {e}",
+                disk.path.display(),
+                dir.display()
+            ))
+        })?;
+        disk.saved = Some(name);
+    }
+    Ok(())
+}
+
+/// The `--disk` arguments of a restore of the snapshot in `dir` into the runtime directory
+/// `runtime`: each saved disk copied there (holes kept) under its file's name (`scratch.ext4`,
+/// where the daemon looks for a dead VM's scratch disk), every other disk at its path. Empty
+/// when no disk was saved (the VMM then opens the saved paths).
+///
+/// # Errors
+/// [`Error::Snapshot`] when a saved disk cannot be copied.
+pub(super) fn restore_args(
+    dir: &Path,
+    runtime: &Path,
+    disks: &[DiskIdentity],
+) -> Result<Vec<std::ffi::OsString>, Error> {
+    if disks.iter().all(|d| d.saved.is_none()) {
+        return Ok(Vec::new());
+    }
+    let mut args = Vec::new();
+    for disk in disks {
+        let mut arg = match &disk.saved {
+            Some(name) => {
+                let copy = match disk.path.file_name().map(|n| runtime.join(n)) {
+                    Some(path) if !path.exists() => path,
+                    _ => runtime.join(name),
+                };
+                files::copy_sparse(&dir.join(name), &copy).map_err(|e| {
+                    Error::Snapshot(format!("cannot copy the saved disk {name}: {e}"))
+                })?;
+                copy.into_os_string()
+            }
+            None => disk.path.clone().into_os_string(),
+        };
+        arg.push(if disk.read_only { ":ro" } else { ":rw" });
+        args.extend(["--disk".into(), arg]);
+    }
+    Ok(args)
+}
+
+/// Refuses a restore of the snapshot in `dir` whose `disks` cannot be used as they are: a
+/// writable one not saved with it, one whose file is missing or changed since the snapshot, or
+/// a saved one that is missing or of another size.
 ///
 /// # Errors
 /// [`Error::Snapshot`] naming the disk and what to do.
-pub(super) fn check(disks: &[DiskIdentity]) -> Result<(), Error> {
+pub(super) fn check(dir: &Path, disks: &[DiskIdentity]) -> Result<(), Error> {
     for disk in disks {
         let path = disk.path.display();
+        if let Some(name) = &disk.saved {
+            let size = fs::metadata(dir.join(name)).map(|m| m.len());
+            if size.as_ref().ok() != Some(&disk.size) {
+                return Err(Error::Snapshot(format!(
+                    "the snapshot's saved disk {name} (of {path}) is missing or damaged: {}",
+                    match size {
+                        Ok(n) => format!("{n} bytes, not {}", disk.size),
+                        Err(e) => e.to_string(),
+                    }
+                )));
+            }
+            continue;
+        }
         if !disk.read_only {
             return Err(Error::Snapshot(format!(
                 "the snapshot's VM had the writable disk {path}: restores would all write to \
@@ -109,17 +198,17 @@ mod tests {
         };
 
         // Act
-        let unchanged = check(std::slice::from_ref(&taken));
-        let refused_writable = check(&[writable]);
+        let unchanged = check(dir.path(), std::slice::from_ref(&taken));
+        let refused_writable = check(dir.path(), &[writable]);
         fs::OpenOptions::new()
             .append(true)
             .open(&path)
             .unwrap()
             .write_all(b" rebuilt")
             .unwrap();
-        let changed = check(std::slice::from_ref(&taken));
+        let changed = check(dir.path(), std::slice::from_ref(&taken));
         fs::remove_file(&path).unwrap();
-        let missing = check(&[taken]);
+        let missing = check(dir.path(), &[taken]);
 
         // Assert
         assert!(unchanged.is_ok(), "{unchanged:?}");
@@ -127,5 +216,64 @@ mod tests {
         assert!(message(refused_writable).contains("writable disk"));
         assert!(message(changed).contains("changed since the snapshot"));
         assert!(message(missing).contains("cannot be opened"));
+    }
+
+    #[test]
+    fn an_own_writable_disk_is_saved_and_each_restore_gets_a_copy_of_it() {
+        // Arrange: a read-only image outside the runtime directory, a scratch disk inside it.
+        let root = tempfile::tempdir().unwrap();
+        let (runtime, snapshot, clone) = (
+            root.path().join("run"),
+            root.path().join("snap"),
+            root.path().join("clone"),
+        );
+        for d in [&runtime, &snapshot, &clone] {
+            fs::create_dir(d).unwrap();
+        }
+        let image = root.path().join("rootfs.ext4");
+        fs::write(&image, b"image").unwrap();
+        let scratch = runtime.join("scratch.ext4");
+        fs::write(&scratch, b"the guest's files").unwrap();
+        let mut disks = vec![
+            DiskIdentity::of(&image, true).unwrap(),
+            DiskIdentity::of(&scratch, false).unwrap(),
+        ];
+
+        // Act
+        save_own(&snapshot, &runtime, &mut disks).unwrap();
+        let checked = check(&snapshot, &disks);
+        let args = restore_args(&snapshot, &clone, &disks).unwrap();
+        let copied = fs::read(clone.join("scratch.ext4")).unwrap();
+        fs::write(clone.join("scratch.ext4"), b"the clone's own files").unwrap();
+        let saved_after_the_clone_wrote = fs::read(snapshot.join("disk-1.img")).unwrap();
+        let truncated = fs::write(snapshot.join("disk-1.img"), b"short");
+        let damaged = check(&snapshot, &disks);
+
+        // Assert
+        assert!(checked.is_ok(), "{checked:?}");
+        assert!(
+            !scratch.exists(),
+            "the scratch disk moved into the snapshot"
+        );
+        assert_eq!(disks[1].saved.as_deref(), Some("disk-1.img"));
+        let args: Vec<String> = args.iter().map(|a| a.to_string_lossy().into()).collect();
+        let copy = clone.join("scratch.ext4");
+        assert_eq!(
+            args,
+            [
+                "--disk".to_owned(),
+                format!("{}:ro", image.display()),
+                "--disk".to_owned(),
+                format!("{}:rw", copy.display()),
+            ]
+        );
+        assert_eq!(copied, b"the guest's files");
+        assert_eq!(saved_after_the_clone_wrote, b"the guest's files");
+        truncated.unwrap();
+        assert!(message_of(damaged).contains("missing or damaged"));
+    }
+
+    fn message_of(result: Result<(), Error>) -> String {
+        result.unwrap_err().to_string()
     }
 }

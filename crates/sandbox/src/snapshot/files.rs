@@ -39,7 +39,7 @@ pub(super) fn move_snapshot(from: &Path, to: &Path) -> Result<(), Error> {
 }
 
 /// `rename`, or on `EXDEV` a hole-keeping copy and the removal of `src`.
-fn move_file(src: &Path, dst: &Path) -> io::Result<()> {
+pub(super) fn move_file(src: &Path, dst: &Path) -> io::Result<()> {
     match fs::rename(src, dst) {
         Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
             copy_sparse(src, dst)?;
@@ -51,7 +51,7 @@ fn move_file(src: &Path, dst: &Path) -> io::Result<()> {
 
 /// Copies `src` to a new `dst` of the same length, writing only its data segments
 /// (`lseek(SEEK_DATA/SEEK_HOLE)`, lseek(2)).
-fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
+pub(super) fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
     let input = File::open(src)?;
     let output = File::create(dst)?;
     let len = input.metadata()?.len();

@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::{format, memory, Error, VmSnapshot, MEMORY_FILE, STATE_FILE};
 use crate::arch;
 use crate::builder::{self, VmParts};
-use crate::config::{SerialOutput, ShareConfig, VmConfig};
+use crate::config::{DiskConfig, SerialOutput, ShareConfig, VmConfig};
 use crate::vmm::{BootTimeline, Vmm};
 use crate::vstate::kvm::{KvmContext, KVM_PATH};
 use crate::vstate::vm::Vm;
@@ -26,6 +26,10 @@ pub struct RestoreConfig {
     /// The host directory of each virtio-fs share of the snapshot, by tag (every saved tag,
     /// no others).
     pub shares: Vec<ShareConfig>,
+    /// The file of each saved virtio-blk disk, in device order, where the restore opens it
+    /// instead of the saved path (e.g. a copy of a writable disk, so that every restore writes
+    /// its own); each read-only exactly where the saved one was. Empty: the saved paths.
+    pub disks: Vec<DiskConfig>,
     /// Guest RAM the caller expects, MiB; a snapshot of another size is refused.
     pub memory_mib: Option<u32>,
     /// vCPUs the caller expects; a snapshot with another count is refused.
@@ -145,6 +149,9 @@ fn merge_config(snapshot: &VmSnapshot, config: &RestoreConfig) -> Result<VmConfi
         }
     }
     merged.shares = merge_shares(&snapshot.config.shares, &config.shares)?;
+    if !config.disks.is_empty() {
+        merged.disks = merge_disks(&snapshot.config.disks, &config.disks)?;
+    }
     merged.validate().map_err(|e| build_err(e.into()))?;
     Ok(merged)
 }
@@ -168,6 +175,40 @@ fn merge_shares(saved: &[ShareConfig], given: &[ShareConfig]) -> Result<Vec<Shar
         .iter()
         .filter_map(|s| given.iter().find(|g| g.tag == s.tag).cloned())
         .collect())
+}
+
+/// The saved disks, each at the caller's path: as many as saved, read-only where saved so (the
+/// guest's driver negotiated `VIRTIO_BLK_F_RO` or not; virtio 1.2 §5.2.3).
+fn merge_disks(saved: &[DiskConfig], given: &[DiskConfig]) -> Result<Vec<DiskConfig>, Error> {
+    if saved.len() != given.len() {
+        return Err(Error::Mismatch(format!(
+            "the snapshot has {} disks; the restore gives {} (give one file per saved disk, in \
+             order, or none)",
+            saved.len(),
+            given.len()
+        )));
+    }
+    saved
+        .iter()
+        .zip(given)
+        .enumerate()
+        .map(|(index, (saved, given))| {
+            if saved.read_only != given.read_only {
+                let mode = |ro: bool| if ro { "read-only" } else { "writable" };
+                return Err(Error::Mismatch(format!(
+                    "the snapshot's disk {index} ({}) is {}; the restore gives {} as {}",
+                    saved.path.display(),
+                    mode(saved.read_only),
+                    given.path.display(),
+                    mode(given.read_only)
+                )));
+            }
+            Ok(DiskConfig {
+                path: given.path.clone(),
+                ..saved.clone()
+            })
+        })
+        .collect()
 }
 
 /// The state lists as many vCPUs and devices as the configuration builds.
@@ -298,4 +339,53 @@ fn restore_vcpus(parts: &VmParts, snapshot: &VmSnapshot) -> Result<(), Error> {
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn restore_vcpus(_parts: &VmParts, _snapshot: &VmSnapshot) -> Result<(), Error> {
     Err(Error::Unsupported)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn disk(path: &str, read_only: bool) -> DiskConfig {
+        DiskConfig {
+            path: path.into(),
+            read_only,
+            id: Some("saved-id".into()),
+        }
+    }
+
+    #[test]
+    fn given_disks_replace_the_saved_paths_in_order_when_count_and_modes_match() {
+        // Arrange
+        let saved = [
+            disk("/images/rootfs.ext4", true),
+            disk("/run/a/scratch.ext4", false),
+        ];
+        let given = [
+            disk("/images/rootfs.ext4", true),
+            disk("/run/b/scratch.ext4", false),
+        ];
+        let too_few = [disk("/images/rootfs.ext4", true)];
+        let writable_root = [disk("/images/rootfs.ext4", false), disk("/run/b/s", false)];
+
+        // Act
+        let merged = merge_disks(&saved, &given).unwrap();
+        let count = merge_disks(&saved, &too_few).unwrap_err().to_string();
+        let mode = merge_disks(&saved, &writable_root).unwrap_err().to_string();
+
+        // Assert
+        assert_eq!(merged[1].path, PathBuf::from("/run/b/scratch.ext4"));
+        assert_eq!(
+            merged[1].id.as_deref(),
+            Some("saved-id"),
+            "the serial stays the saved one"
+        );
+        assert!(
+            count.contains("has 2 disks; the restore gives 1"),
+            "{count}"
+        );
+        assert!(
+            mode.contains("disk 0 (/images/rootfs.ext4) is read-only"),
+            "{mode}"
+        );
+    }
 }
