@@ -59,6 +59,14 @@
 #                            gets the proxy's 403 for port 8081, and the log has both decisions
 #   run-publish              -p 18080:8000: busybox httpd in the guest, its page fetched with
 #                            busybox wget from the emulated host's 127.0.0.1:18080 (ingress)
+#   template-clone, clone-distinct, clone-clock, clone-egress
+#                            a template (bulkhead template create): two clones read its file, on
+#                            both vCPUs, with random bytes of their own and the host's clock; a
+#                            clone with --allow-cidr fetches run-egress's file through its proxy
+#   image-template-disk      template create --image /data/root.ext4 (busybox) --disk 16: the
+#                            preparation's file is on the scratch disk saved with the template;
+#                            each clone reads it and writes its own copy (Debian's arm64
+#                            mke2fs formats the disk)
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
 # printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
@@ -223,7 +231,7 @@ HOST_SETUP
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-tty run-10mib run-disk run-virtiofs-read
     run-virtiofs-write run-egress run-publish template-clone clone-distinct clone-clock
-    clone-egress)
+    clone-egress image-template-disk)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -534,6 +542,31 @@ else
     fail clone-egress "status $status" /tmp/clone-egress.out /tmp/clone-egress.err \
         /tmp/clone-egress.jsonl /tmp/clone-egress.console
 fi
+# A template on a root filesystem image with a scratch disk: the preparation writes to the
+# scratch disk, which is saved with the template; the first clone writes to its own copy (and
+# syncs), which the second does not see, and the template's saved disk is still there.
+tcall image-create template create arm64-image --image /data/root.ext4 --disk 16 \
+    --boot-timeout "$VMM_TIMEOUT" -- sh -c 'echo 42 >/root/answer'
+create_status=$status
+saved=/root/.local/share/bulkhead/templates/arm64-image/disk-1.img
+saved_before=$(sha256sum "$saved" 2>&1)
+tcall image-clone-1 run --template arm64-image --boot-timeout "$VMM_TIMEOUT" \
+    --console /tmp/image-clone-1.console -- sh -c 'cat /root/answer; echo mine >/root/own; sync'
+status_c1=$status
+tcall image-clone-2 run --template arm64-image --boot-timeout "$VMM_TIMEOUT" \
+    --console /tmp/image-clone-2.console -- sh -c 'cat /root/answer; cat /root/own 2>/dev/null || echo none'
+status_c2=$status
+saved_after=$(sha256sum "$saved" 2>&1)
+if [ "$create_status" = 0 ] && [ "$status_c1" = 0 ] && [ "$status_c2" = 0 ] &&
+    [ "$(cat /tmp/image-clone-1.out)" = 42 ] &&
+    [ "$(cat /tmp/image-clone-2.out)" = "$(printf '42\nnone')" ] && [ -f "$saved" ] &&
+    [ "$saved_before" = "$saved_after" ]; then
+    ok image-template-disk "both clones read 42 from the template's saved scratch disk, which stayed unchanged; the first clone's file stayed its own"
+else
+    fail image-template-disk "create status $create_status, clones $status_c1 and $status_c2, saved disk [$saved_before] then [$saved_after]" \
+        /tmp/image-create.out /tmp/image-create.err /tmp/image-clone-1.out /tmp/image-clone-1.err \
+        /tmp/image-clone-1.console /tmp/image-clone-2.out /tmp/image-clone-2.err
+fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS
 }
@@ -577,8 +610,9 @@ EOF
 
 # GUEST=run: copies what the checks need beyond the default image into host stage $1: the test
 # init's initramfs $2, the disk check's ext4 image (a known disk.txt; made anew each run, it
-# takes a moment) and the bad-bzimage check's kernel: the installed x86_64 bzImage, or without
-# one a file with only an x86 setup header ("HdrS" at 0x202), which is all the loader looks at.
+# takes a moment), the bad-bzimage check's kernel: the installed x86_64 bzImage, or without
+# one a file with only an x86 setup header ("HdrS" at 0x202), which is all the loader looks at,
+# and image-template-disk's root image (with busybox $3) and mke2fs.
 stage_run_files() {
     local stage="$1" test_initrd="$2" tree bzimage
     bzimage="${XDG_DATA_HOME:-$HOME/.local/share}/bulkhead/kernel/x86_64/bzImage"
@@ -595,6 +629,35 @@ stage_run_files() {
     echo bulkhead-disk-ok >"$tree/disk.txt"
     mke2fs -q -F -t ext4 -E root_owner=0:0 -d "$tree" "$stage/data/disk.ext4" 8M
     rm -rf "$tree"
+    stage_root_image "$stage" "$3"
+    stage_mke2fs "$stage"
+}
+
+# GUEST=run: a root filesystem image for image-template-disk in host stage $1: busybox ($2)
+# and its applets, and the directories the agent mounts over (/data/root.ext4).
+stage_root_image() {
+    local stage="$1" busybox="$2" tree applet
+    tree="$stage/.root-tree"
+    mkdir -p "$tree"/{bin,dev,etc,proc,root,run,sys,tmp}
+    install -m 0755 "$busybox" "$tree/bin/busybox"
+    for applet in sh cat echo grep sync ls; do ln -s busybox "$tree/bin/$applet"; done
+    mke2fs -q -F -t ext4 -E root_owner=0:0 -d "$tree" "$stage/data/root.ext4" 16M
+    rm -rf "$tree"
+}
+
+# GUEST=run: Debian's arm64 mke2fs as /bin/mkfs.ext4 in host stage $1 (bulkhead formats scratch
+# disks with it), with its libraries and /etc/mke2fs.conf (which defines ext4 for it).
+stage_mke2fs() {
+    local stage="$1" pkg dir
+    dir="$(fetch_deb e2fsprogs)"
+    install -m 0755 "$dir/sbin/mke2fs" "$stage/bin/mke2fs"
+    ln -s mke2fs "$stage/bin/mkfs.ext4"
+    mkdir -p "$stage/etc"
+    cp "$dir/etc/mke2fs.conf" "$stage/etc/mke2fs.conf"
+    for pkg in libext2fs2 libcom-err2 libblkid1 libuuid1; do
+        dir="$(fetch_deb "$pkg")"
+        find "$dir" -name '*.so.*' \( -type f -o -type l \) -exec cp -P -t "$stage/lib" {} +
+    done
 }
 
 # Builds the emulated host's initramfs into $CACHE/host.cpio.gz.
@@ -621,7 +684,7 @@ build_host_initramfs() {
         mkdir -p "$data/kernel/aarch64" "$data/images/default"
         ln -s /guest/Image "$data/kernel/aarch64/Image"
         ln -s /guest/initramfs.cpio.gz "$data/images/default/initramfs.cpio.gz"
-        stage_run_files "$stage" "$CACHE/guest.cpio.gz"
+        stage_run_files "$stage" "$CACHE/guest.cpio.gz" "$busybox_dir/bin/busybox"
     fi
     cp "$guest_image" "$stage/guest/Image"
     cp "$guest_initrd" "$stage/guest/initramfs.cpio.gz"

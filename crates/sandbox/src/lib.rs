@@ -37,6 +37,7 @@ pub mod paths;
 pub mod phases;
 mod process;
 mod sandbox;
+mod sandbox_config;
 pub mod snapshot;
 pub mod spec;
 pub mod storage;

@@ -26,7 +26,7 @@
 //! snapshot's read-only disks (a root filesystem image, with the writable layer in guest RAM)
 //! are opened again by path; the manifest records each file's identity and a restore refuses
 //! one that changed. The sandbox's scratch disk is saved with the snapshot and every restore
-//! writes to its own copy; a restore refuses any other writable disk ([`disks`]). A restore
+//! writes to its own copy; a restore refuses any other writable disk (the private `disks` module). A restore
 //! cannot add disks.
 
 use std::fs;
@@ -88,7 +88,8 @@ pub struct Manifest {
     /// The agent's readiness announcement from the sandbox's boot.
     pub ready: Ready,
     /// The VM's disks as they were at the snapshot (a root filesystem image); a restore opens
-    /// them again and refuses one that changed ([`disks`]). Absent when it had none.
+    /// them again and refuses one that changed; a scratch disk is saved with the snapshot. Absent
+    /// when it had none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskIdentity>,
 }
