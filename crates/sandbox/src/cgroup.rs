@@ -156,7 +156,7 @@ fn hierarchy(version: Version) -> Box<dyn Hierarchy> {
 
 impl CgroupManager {
     /// Sets up cgroup support per `mode`; `parent` overrides the default parent (see
-    /// [`crate::config::Config::cgroup_parent`]). Returns None when cgroups are off.
+    /// the daemon's `cgroup_parent` setting). Returns None when cgroups are off.
     ///
     /// # Errors
     /// [`CgroupError`] for an explicit `v1`/`v2` mode that cannot be set up.

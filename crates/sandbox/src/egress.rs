@@ -6,7 +6,7 @@
 //! vsock backend turns into a connection on `<vm.sock>_1026` in the runtime directory. The proxy
 //! listens there, decides every request against the sandbox's policy, and logs it to
 //! `egress.jsonl` ([`EGRESS_LOG`]). Once the agent is ready the proxy's CA certificate is written
-//! into the guest ([`install_ca`]); commands get the proxy variables and the secrets'
+//! into the guest (`install_ca`); commands get the proxy variables and the secrets'
 //! placeholders in their environment ([`crate::Sandbox::egress_env`]).
 //!
 //! The proxy lives in the process that started the sandbox and ends with it (its CA key never

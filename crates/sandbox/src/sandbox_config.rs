@@ -87,7 +87,7 @@ impl Default for SandboxConfig {
 
 impl SandboxConfig {
     /// Checks that the kernel and initramfs are regular files and that an explicitly located
-    /// VMM binary exists, without starting anything; [`Sandbox::start_with`] runs the same
+    /// VMM binary exists, without starting anything; [`Sandbox::start_with`](crate::Sandbox::start_with) runs the same
     /// check. Callers that do host-specific checks (e.g. whether KVM can boot a stock kernel)
     /// call it first, so the user's own mistakes are reported on any host.
     ///

@@ -19,7 +19,7 @@
 //! snapshot's two files read-only.
 //!
 //! A restore can attach host directories (mounts, a workspace) to the idle virtio-fs devices
-//! that a sandbox started with [`SandboxConfig::share_slots`] keeps for them ([`slots`]), and
+//! that a sandbox started with [`SandboxConfig::share_slots`] keeps for them (the private `slots` module), and
 //! give the clone a network: its own egress proxy (a new per-sandbox CA, new placeholders),
 //! started before the VMM as for a boot; the agent starts its relay when told so in the
 //! `RestoredRequest` and the new CA is added to the guest's trust ([`crate::egress`]). A
