@@ -304,6 +304,10 @@ pub fn respond(req: &RestoredRequest, machine: &mut impl Machine) -> Frame {
 /// [`DryRun`] otherwise; answers `Ack` or `Error` and logs the outcome.
 pub fn serve(mut conn: Conn, req: &RestoredRequest) {
     let in_guest = APPLY_TO_KERNEL.load(Ordering::Relaxed);
+    if in_guest {
+        // What a pre-snapshot unmount took is the old machine's; the restore mounts its own.
+        mounts::forget_unmounted();
+    }
     let reply = match in_guest {
         true => respond(req, &mut Kernel),
         false => respond(req, &mut DryRun),

@@ -29,7 +29,7 @@ use bulkhead_protocol::{
 };
 
 use crate::conn::Conn;
-use crate::{exec, files, fsops, ingress, init, log, restore, vsock, workspace};
+use crate::{exec, files, fsops, ingress, init, log, mounts, restore, vsock, workspace};
 
 /// Delays before the retries of the `Ready` connection (4 retries, 300 ms in all).
 const READY_RETRY_DELAYS: [Duration; 4] = [
@@ -125,12 +125,13 @@ pub fn handle_connection(mut conn: Conn, on_shutdown: ShutdownAction) {
         Frame::ArchiveRead(req) => fsops::serve_archive_read(conn, &req),
         Frame::Fs(req) => fsops::serve_fs(conn, &req),
         Frame::Connect(req) => ingress::serve(conn, req),
+        Frame::Shares(req) => mounts::serve(conn, &req),
         other => reply_error(
             conn,
             ErrorCode::Protocol,
             format!(
                 "expected Exec, FileWrite, FileRead, ArchiveWrite, ArchiveRead, Fs, Connect, \
-                 WorkspaceChanges, Shutdown or Restored as the first frame, got {}",
+                 Shares, WorkspaceChanges, Shutdown or Restored as the first frame, got {}",
                 other.kind()
             ),
         ),

@@ -262,3 +262,89 @@ fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
         },
     );
 }
+
+vm_test!(
+    fn a_sandbox_with_a_workspace_and_a_mount_pauses_once_nothing_uses_them_and_resumes_with_both()
+    {
+        // Arrange: a direct workspace (read-write, so owned by an unprivileged user for the
+        // jailed VMM) and a read-only mount, under a mount root the VMM may enter; one guest
+        // process works in /workspace, another in /.
+        let root = bulkhead_tests::socket_dir();
+        let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+        std::fs::set_permissions(root.path(), mode).unwrap();
+        let (ws, data) = (root.path().join("ws"), root.path().join("data"));
+        for dir in [&ws, &data] {
+            std::fs::create_dir(dir).unwrap();
+        }
+        std::fs::write(data.join("hello"), "hi\n").unwrap();
+        std::os::unix::fs::chown(&ws, Some(1000), Some(1000)).unwrap();
+        let daemon = real_daemon("", &["--mount-root", root.path().to_str().unwrap()]);
+        let client = daemon.client();
+        let rt = rt();
+        let request = bulkhead_client::CreateSandbox {
+            workspace: Some(bulkhead_client::WorkspaceSpec {
+                path: ws.display().to_string(),
+                mode: bulkhead_client::WorkspaceMode::Direct,
+            }),
+            mounts: vec![bulkhead_client::MountSpec {
+                host: data.display().to_string(),
+                guest: "/data".into(),
+                ro: true,
+            }],
+            ..small(128)
+        };
+        let sb = rt
+            .block_on(client.create(&request))
+            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        sh(
+            &daemon,
+            &sb.id,
+            "echo before > /workspace/a; \
+             (cd / && exec sleep 1000 </dev/null >/dev/null 2>&1) & echo $! > /tmp/idle; \
+             (cd /workspace && exec sleep 1001 </dev/null >/dev/null 2>&1) & echo $! > /tmp/busy",
+        );
+
+        // Act
+        let busy = rt.block_on(client.pause(&sb.id));
+        let while_busy = sh(&daemon, &sb.id, "cat /data/hello; ls /workspace");
+        sh(
+            &daemon,
+            &sb.id,
+            "p=$(cat /tmp/busy); kill -9 $p; i=0; \
+             while [ -e /proc/$p/cwd ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done",
+        );
+        let paused = rt.block_on(client.pause(&sb.id));
+        let resumed = rt.block_on(client.resume(&sb.id));
+        let after = sh(
+            &daemon,
+            &sb.id,
+            "cat /workspace/a /data/hello; kill -0 $(cat /tmp/idle) && echo alive; \
+             echo after > /workspace/b; touch /data/x 2>/dev/null || echo read-only",
+        );
+        rt.block_on(client.delete(&sb.id)).unwrap();
+
+        // Assert
+        match &busy {
+            Err(bulkhead_client::Error::Api {
+                status,
+                code,
+                message,
+            }) => {
+                assert_eq!((*status, code.as_str()), (409, "busy"), "{message}");
+                assert!(message.contains("(sleep)"), "{message}");
+            }
+            other => panic!("a pause with a process in /workspace: {other:?}"),
+        }
+        assert_eq!(while_busy, "hi\na\n", "the refused pause changed the guest");
+        let paused = paused.unwrap_or_else(|e| panic!("pause: {e}\n{}", daemon.log()));
+        assert_eq!(paused.state, SandboxState::Paused);
+        let resumed =
+            resumed.unwrap_or_else(|e| panic!("resume: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        assert_eq!(after, "before\nhi\nalive\nread-only\n");
+        assert_eq!(std::fs::read_to_string(ws.join("b")).unwrap(), "after\n");
+        assert_eq!(
+            daemon.leftovers(&[sb.vmm_pid.unwrap(), resumed.vmm_pid.unwrap()]),
+            Vec::<String>::new()
+        );
+    }
+);

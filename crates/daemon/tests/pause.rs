@@ -212,18 +212,17 @@ fn pause_and_resume_twice_change_nothing_and_a_failed_sandbox_is_a_conflict() {
 }
 
 #[test]
-fn a_sandbox_with_a_mount_is_not_paused_and_keeps_running() {
+fn a_sandbox_with_a_clone_workspace_is_not_paused_and_keeps_running() {
     // Arrange
     let root = tempfile::tempdir().unwrap();
     let daemon = TestDaemon::start_with(&["--mount-root", root.path().to_str().unwrap()]);
     let client = daemon.client();
     let rt = rt();
     let request = CreateSandbox {
-        mounts: vec![MountSpec {
-            host: root.path().display().to_string(),
-            guest: "/data".into(),
-            ro: true,
-        }],
+        workspace: Some(bulkhead_client::WorkspaceSpec {
+            path: root.path().display().to_string(),
+            mode: bulkhead_client::WorkspaceMode::Clone,
+        }),
         ..spec_with_labels(&[])
     };
     let sb = rt.block_on(client.create(&request)).unwrap();
@@ -231,18 +230,18 @@ fn a_sandbox_with_a_mount_is_not_paused_and_keeps_running() {
     // Act
     let refused = api_error(rt.block_on(client.pause(&sb.id)));
     let after = rt.block_on(client.get(&sb.id)).unwrap();
-    let parent = rt.block_on(exec_parent(&client, &sb.id));
 
     // Assert
     assert_eq!((refused.0, refused.1.as_str()), (409, "not_supported"));
     assert!(
         refused
             .2
-            .contains("cannot be paused: a sandbox with mounts"),
+            .contains("cannot be paused: a sandbox with a clone workspace"),
         "{refused:?}"
     );
     assert_eq!(after.state, SandboxState::Running);
-    assert_eq!(parent, sb.vmm_pid.unwrap().to_string());
+    assert_eq!(after.vmm_pid, sb.vmm_pid, "the same VMM");
+    assert!(alive(sb.vmm_pid.unwrap()));
 }
 
 /// `target/<profile>/bulkhead`, built alongside this test (`cargo build --workspace --bins`).

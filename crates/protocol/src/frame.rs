@@ -22,7 +22,8 @@ use serde::Serialize;
 use crate::fsops::{ArchiveDone, ArchiveReadRequest, ArchiveWriteRequest, FileEntry, FsRequest};
 use crate::messages::{
     Ack, ConnectRequest, ErrorCode, ErrorMessage, ExecRequest, ExitStatus, FileReadRequest,
-    FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest, Started, WindowSize,
+    FileWriteRequest, Ready, RestoredRequest, SharesRequest, ShutdownRequest, SignalRequest,
+    Started, WindowSize,
 };
 use crate::workspace::{ChangeRecord, ChangesEnd, WorkspaceChangesRequest};
 use crate::MAX_FRAME;
@@ -102,6 +103,8 @@ pub enum FrameType {
     Fs = 0x0a,
     /// Host → guest, JSON [`ConnectRequest`]; after its `Ack` the connection carries raw bytes.
     Connect = 0x0b,
+    /// Host → guest, JSON [`SharesRequest`]: unmount (or mount again) the virtio-fs shares.
+    Shares = 0x0c,
     /// Guest → host, JSON [`Started`].
     Started = 0x10,
     /// Host → guest, raw bytes for the command's stdin.
@@ -137,7 +140,7 @@ pub enum FrameType {
 }
 
 impl FrameType {
-    const ALL: [FrameType; 27] = [
+    const ALL: [FrameType; 28] = [
         Self::Ready,
         Self::Exec,
         Self::FileWrite,
@@ -149,6 +152,7 @@ impl FrameType {
         Self::ArchiveRead,
         Self::Fs,
         Self::Connect,
+        Self::Shares,
         Self::Started,
         Self::Stdin,
         Self::StdinEof,
@@ -212,6 +216,8 @@ pub enum Frame {
     ArchiveRead(ArchiveReadRequest),
     /// See [`FrameType::Fs`].
     Fs(FsRequest),
+    /// See [`FrameType::Shares`].
+    Shares(SharesRequest),
     /// See [`FrameType::Connect`].
     Connect(ConnectRequest),
     /// See [`FrameType::Started`].
@@ -268,6 +274,7 @@ impl Frame {
             Self::ArchiveRead(_) => FrameType::ArchiveRead,
             Self::Fs(_) => FrameType::Fs,
             Self::Connect(_) => FrameType::Connect,
+            Self::Shares(_) => FrameType::Shares,
             Self::Started(_) => FrameType::Started,
             Self::Stdin(_) => FrameType::Stdin,
             Self::StdinEof => FrameType::StdinEof,
@@ -305,6 +312,7 @@ impl Frame {
             Self::ArchiveRead(m) => encode_json(FrameType::ArchiveRead, m, out),
             Self::Fs(m) => encode_json(FrameType::Fs, m, out),
             Self::Connect(m) => encode_json(FrameType::Connect, m, out),
+            Self::Shares(m) => encode_json(FrameType::Shares, m, out),
             Self::FileEntry(m) => encode_json(FrameType::FileEntry, m, out),
             Self::ArchiveDone(m) => encode_json(FrameType::ArchiveDone, m, out),
             Self::Started(m) => encode_json(FrameType::Started, m, out),
@@ -351,6 +359,7 @@ impl Frame {
             FrameType::ArchiveRead => Self::ArchiveRead(json(kind, &payload)?),
             FrameType::Fs => Self::Fs(json(kind, &payload)?),
             FrameType::Connect => Self::Connect(json(kind, &payload)?),
+            FrameType::Shares => Self::Shares(json(kind, &payload)?),
             FrameType::FileEntry => Self::FileEntry(json(kind, &payload)?),
             FrameType::ArchiveDone => Self::ArchiveDone(json(kind, &payload)?),
             FrameType::Started => Self::Started(json(kind, &payload)?),

@@ -62,6 +62,10 @@ fn every_kind_of_frame() -> Vec<Frame> {
             egress: true,
         }),
         Frame::Restored(RestoredRequest::new(vec![0; 32], u64::MAX)),
+        Frame::Shares(SharesRequest {
+            version: 1,
+            mounted: false,
+        }),
         Frame::Started(Started { pid: 42 }),
         Frame::Stdin(b"in".to_vec()),
         Frame::StdinEof,

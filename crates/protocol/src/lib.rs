@@ -42,8 +42,8 @@ pub use fsops::{
 };
 pub use messages::{
     Ack, BootTimestamps, ConnectRequest, ErrorCode, ErrorMessage, ExecRequest, ExitStatus,
-    FileReadRequest, FileWriteRequest, Ready, RestoredRequest, ShutdownRequest, SignalRequest,
-    Started, WindowSize, MAX_RESTORE_ENTROPY, MIN_RESTORE_ENTROPY,
+    FileReadRequest, FileWriteRequest, Ready, RestoredRequest, SharesRequest, ShutdownRequest,
+    SignalRequest, Started, WindowSize, MAX_RESTORE_ENTROPY, MIN_RESTORE_ENTROPY,
 };
 pub use workspace::{
     ChangeRecord, ChangeStatus, ChangesEnd, EntryKind, SkippedEntry, WorkspaceChangesRequest,

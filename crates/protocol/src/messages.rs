@@ -279,6 +279,22 @@ pub struct ShutdownRequest {
     pub version: u32,
 }
 
+/// Asks the agent to unmount the host directories it mounted over virtio-fs (`mounted: false`,
+/// before a snapshot: a virtio-fs share with a live FUSE session cannot be saved), or to mount
+/// again those the last such request unmounted (`mounted: true`, when the snapshot then failed
+/// and the sandbox goes on). Answered with `Ack` once done. An unmount is refused, with nothing
+/// unmounted, while a guest process uses a file under one of them (its working or root
+/// directory, an open file, a mapping): the `Error` names the processes. A clone workspace's
+/// overlay is not a plain share and stays mounted. An agent older than this request answers
+/// with an `Error` of class [`ErrorCode::Protocol`] (unknown frame type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharesRequest {
+    /// Must be [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// `false`: unmount the shares; `true`: mount again what the last unmount took.
+    pub mounted: bool,
+}
+
 /// Fewest bytes of host randomness a [`RestoredRequest`] carries: 32 bytes = 256 bits, a full
 /// seed of the kernel's ChaCha20 CRNG (`drivers/char/random.c`).
 pub const MIN_RESTORE_ENTROPY: usize = 32;

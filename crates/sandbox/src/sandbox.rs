@@ -140,6 +140,10 @@ pub enum Error {
     /// A snapshot could not be taken or restored (see [`crate::snapshot`]).
     #[error("snapshot: {0}")]
     Snapshot(String),
+    /// A snapshot was not taken and the sandbox runs on unchanged: the guest's shared
+    /// directories are in use (the message names the processes).
+    #[error("no snapshot now: {0}")]
+    SnapshotRefused(String),
 }
 
 /// What another process needs to take over a running sandbox with [`Sandbox::adopt`] (e.g. a
@@ -209,7 +213,7 @@ impl Sandbox {
         let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
         let dir = make_runtime_dir(&config.runtime_dir)?;
         let disks = storage::prepare(storage, dir.path())?;
-        workspace::record(dir.path(), &ws)?;
+        workspace::record(dir.path(), &ws, None)?;
         let uds_path = dir.path().join("vm.sock");
         let ready_path = dir.path().join(format!("vm.sock_{READY_PORT}"));
         let listener = UnixListener::bind(&ready_path).map_err(|source| Error::RuntimeDir {

@@ -36,7 +36,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bulkhead_protocol::client::{AgentClient, ClientError};
-use bulkhead_protocol::{Ready, RestoredRequest, PROTOCOL_VERSION};
+use bulkhead_protocol::{ErrorCode, Ready, RestoredRequest, PROTOCOL_VERSION};
 use bulkhead_vmm::config::VmConfig;
 use bulkhead_vmm::control::{self, Request};
 use bulkhead_vmm::snapshot::SnapshotRequest;
@@ -121,16 +121,23 @@ impl Manifest {
 
 impl Sandbox {
     /// Snapshots the sandbox's VM into `dir` (created if missing) and ends the sandbox, as
-    /// `destroy` does (what is left of `self` is an ended sandbox, for its caller to drop). Take it when nothing runs that needs the host: connections to the
-    /// sandbox are reset in every restored copy.
+    /// `destroy` does (what is left of `self` is an ended sandbox, for its caller to drop).
+    /// Take it when nothing runs that needs the host: connections to the sandbox are reset in
+    /// every restored copy.
+    ///
+    /// The agent first unmounts the guest's shared directories (mounts, a direct workspace): a
+    /// share in use by the guest cannot be saved. A restore with the same mounts and workspace
+    /// mounts them again; the workspace's records (for `diff`) are kept with the snapshot.
     ///
     /// A jailed VMM writes the snapshot into its runtime directory's `vmm/snapshot` (the only
     /// place it may write), from where it is moved into `dir`.
     ///
     /// # Errors
-    /// [`Error::Snapshot`] when the VMM has no control socket (a sandbox adopted from an older
-    /// bulkhead), the VMM refuses (e.g. a virtio-fs share is mounted in the guest) or the files
-    /// cannot be written; the sandbox keeps running when the VMM refused.
+    /// [`Error::SnapshotRefused`] while a guest process uses a file under a shared directory
+    /// (the sandbox runs on unchanged); [`Error::Snapshot`] when the VMM has no control socket
+    /// (a sandbox adopted from an older bulkhead), the VMM refuses (e.g. a clone workspace is
+    /// mounted in the guest) or the files cannot be written; the sandbox keeps running, its
+    /// shares mounted again, when the VMM refused.
     pub fn snapshot_into(&mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
         let runtime = self.dir.clone().unwrap_or_default();
         let socket = runtime.join(API_SOCKET);
@@ -156,13 +163,26 @@ impl Sandbox {
                 false => Error::Snapshot(format!("{reason}; VMM log:\n{log}")),
             }
         };
-        let answer = control::send(&socket, &request).map_err(refused)?;
-        if !answer.ok {
-            return Err(refused(answer.error.unwrap_or_default()));
+        let unmounted = self.unmount_shares()?;
+        let answer = control::send(&socket, &request)
+            .map_err(refused)
+            .and_then(|answer| match answer.ok {
+                true => Ok(answer),
+                false => Err(refused(answer.error.unwrap_or_default())),
+            });
+        if let Err(e) = answer {
+            if unmounted {
+                // The VMM refused and the guest goes on: its directories come back.
+                if let Err(remount) = self.client().set_shares_mounted(true) {
+                    tracing::error!("cannot mount the guest's shares again: {remount}");
+                }
+            }
+            return Err(e);
         }
         if jailed {
             files::move_snapshot(&target, dir)?;
         }
+        workspace::keep(&runtime, dir)?;
         let mut disks = disks::identities(dir)?;
         disks::save_own(dir, &runtime, &mut disks)?;
         let manifest = Manifest {
@@ -179,6 +199,26 @@ impl Sandbox {
         }
         self.teardown()?;
         Ok(manifest)
+    }
+
+    /// Asks the agent to unmount the guest's virtio-fs shares before a snapshot (a share with a
+    /// live FUSE session cannot be saved); the restore mounts them again. Returns whether it
+    /// did: an agent older than the request has none to unmount, and the VMM's own check
+    /// refuses the snapshot if a share is still mounted.
+    ///
+    /// # Errors
+    /// [`Error::SnapshotRefused`] when the agent refuses (a guest process uses a file under a
+    /// share: its message names them); [`Error::Snapshot`] when it cannot be reached. Nothing
+    /// was unmounted then.
+    fn unmount_shares(&self) -> Result<bool, Error> {
+        match self.client().set_shares_mounted(false) {
+            Ok(()) => Ok(true),
+            Err(ClientError::Agent(e)) if e.code == ErrorCode::Protocol => Ok(false),
+            Err(ClientError::Agent(e)) => Err(Error::SnapshotRefused(e.message)),
+            Err(e) => Err(Error::Snapshot(format!(
+                "the guest's shared directories cannot be unmounted for the snapshot: {e}"
+            ))),
+        }
     }
 
     /// Starts a sandbox from the snapshot in `dir`: a new VMM restores the VM (its memory
@@ -205,7 +245,7 @@ impl Sandbox {
         let saved = bulkhead_vmm::snapshot::share_tags(dir)
             .map_err(|e| Error::Snapshot(format!("{}: {e}", dir.display())))?;
         let attached = slots::attach(config, &ws, &saved, runtime.path())?;
-        workspace::record(runtime.path(), &ws)?;
+        workspace::record(runtime.path(), &ws, Some(dir))?;
         let uds_path = runtime.path().join("vm.sock");
         let log_path = runtime.path().join("vmm.log");
         let exit_path = runtime.path().join(EXIT_FILE);

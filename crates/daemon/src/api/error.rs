@@ -106,6 +106,7 @@ impl From<ManagerError> for ApiError {
             ManagerError::TooMany(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_sandboxes"),
             ManagerError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
             ManagerError::Unsupported(_) => (StatusCode::CONFLICT, "not_supported"),
+            ManagerError::Busy(_) => (StatusCode::CONFLICT, "busy"),
             ManagerError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
             ManagerError::BootTimeout(_) => (StatusCode::GATEWAY_TIMEOUT, "boot_timeout"),
             ManagerError::VmExited(_) => (StatusCode::BAD_GATEWAY, "vm_exited"),

@@ -90,6 +90,10 @@ pub enum ManagerError {
     /// The sandbox cannot do this (yet), whatever its state (409, code `not_supported`).
     #[error("{0}")]
     Unsupported(String),
+    /// The sandbox cannot do this now because of what runs in it, e.g. a pause while guest
+    /// processes use its shared directories (409, code `busy`); it runs on unchanged.
+    #[error("{0}")]
+    Busy(String),
     /// The daemon is stopping (503).
     #[error("the daemon is shutting down")]
     ShuttingDown,

@@ -19,7 +19,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bulkhead_client::{SandboxInfo, SandboxState};
-use bulkhead_sandbox::{Sandbox, SandboxConfig, SandboxSpec};
+use bulkhead_sandbox::workspace::WorkspaceMode;
+use bulkhead_sandbox::{Error as SandboxError, Sandbox, SandboxConfig, SandboxSpec};
 
 use super::lifecycle::cleanup_files_and_cgroup;
 use super::{failure, info_of, plan, Entry, Manager, ManagerError};
@@ -37,7 +38,7 @@ impl Manager {
     /// # Errors
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`]; [`ManagerError::Conflict`] when
     /// it is neither running nor paused; [`ManagerError::Unsupported`] for a sandbox whose VM
-    /// cannot be restored yet (workspace, mounts, data disks) or whose VMM
+    /// cannot be restored yet (a clone workspace, data disks) or whose VMM
     /// cannot save it; [`ManagerError::Internal`] when saving failed (the VM is lost and the
     /// sandbox `failed`).
     pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
@@ -89,7 +90,21 @@ impl Manager {
         let dir = self.inner.store.paused_dir(&entry.id);
         let saved = tokio::task::spawn_blocking(move || save_vm(sandbox, &record, &dir))
             .await
-            .unwrap_or_else(|e| Err(format!("the pause task failed: {e}")));
+            .unwrap_or_else(|e| Err(Unsaved::Lost(format!("the pause task failed: {e}"))));
+        let saved = match saved {
+            Err(Unsaved::Refused(sandbox, message)) => {
+                let mut inner = entry.lock();
+                inner.sandbox = Some(*sandbox);
+                inner.state = SandboxState::Running;
+                tracing::info!(id = %entry.id, "pause refused: {message}");
+                return Err(ManagerError::Busy(format!(
+                    "sandbox {} cannot be paused now (it keeps running): {message}",
+                    entry.id
+                )));
+            }
+            Err(Unsaved::Lost(message)) => Err(message),
+            Ok(()) => Ok(()),
+        };
         let reason = match &saved {
             Ok(()) => "paused",
             Err(_) => "pause_failed",
@@ -177,9 +192,15 @@ impl Manager {
 /// Refuses to pause a sandbox whose VM cannot be restored yet, or whose VMM (`runtime`: its
 /// runtime directory) has no control socket.
 fn pausable(id: &str, spec: &SandboxSpec, runtime: Option<&Path>) -> Result<(), ManagerError> {
+    let clone_workspace = spec
+        .workspace
+        .as_ref()
+        .is_some_and(|w| w.mode == WorkspaceMode::Clone);
     let blockers: Vec<&str> = [
-        ("a workspace", spec.workspace.is_some()),
-        ("mounts", !spec.mounts.is_empty()),
+        // Mounts and a direct workspace are unmounted in the guest before the VM is saved and
+        // mounted again by the resume; a clone workspace's overlay (its changes in the guest)
+        // cannot be taken apart yet.
+        ("a clone workspace", clone_workspace),
         // An image is read-only and is opened again by path (the restore checks that it is
         // unchanged); the scratch disk is saved with the VM. A restore refuses data disks: the
         // caller's files, which the daemon cannot keep as they were.
@@ -204,21 +225,34 @@ fn pausable(id: &str, spec: &SandboxSpec, runtime: Option<&Path>) -> Result<(), 
     Ok(())
 }
 
+/// Why a VM was not saved.
+enum Unsaved {
+    /// Nothing changed: the sandbox runs on (given back) and the message says why.
+    Refused(Box<Sandbox>, String),
+    /// The VMM is gone.
+    Lost(String),
+}
+
 /// Blocking: saves `sandbox`'s VM into `dir` (replacing what an earlier attempt left there),
-/// which stops its VMM, then removes its cgroup and runtime directory. The VMM is gone either
-/// way; on failure `dir` is removed too.
-fn save_vm(mut sandbox: Sandbox, record: &Record, dir: &Path) -> Result<(), String> {
-    remove_all(dir)?;
+/// which stops its VMM, then removes its cgroup and runtime directory. Unless the guest
+/// refused before anything changed, the VMM is gone either way; on failure `dir` is removed
+/// too.
+fn save_vm(mut sandbox: Sandbox, record: &Record, dir: &Path) -> Result<(), Unsaved> {
+    remove_all(dir).map_err(Unsaved::Lost)?;
     // The snapshot checks nothing else of the configuration: it records these two sizes.
     let sizes = SandboxConfig {
         vcpus: record.spec.vcpus,
         memory_mib: record.spec.memory_mib,
         ..SandboxConfig::default()
     };
-    let saved = sandbox
-        .snapshot_into(dir, &sizes)
-        .map(|_| ())
-        .map_err(|e| e.to_string());
+    let saved = match sandbox.snapshot_into(dir, &sizes) {
+        Ok(_) => Ok(()),
+        Err(SandboxError::SnapshotRefused(message)) => {
+            let _ = remove_all(dir);
+            return Err(Unsaved::Refused(Box::new(sandbox), message));
+        }
+        Err(e) => Err(Unsaved::Lost(e.to_string())),
+    };
     cleanup_files_and_cgroup(&record.runtime_parent, record.cgroup.as_ref());
     if saved.is_err() {
         let _ = remove_all(dir);

