@@ -67,6 +67,10 @@
 #                            preparation's file is on the scratch disk saved with the template;
 #                            each clone reads it and writes its own copy (Debian's arm64
 #                            mke2fs formats the disk)
+#   daemon-pause-workspace   bulkheadd (cgroups off): a sandbox with a clone workspace writes a
+#                            file there, is paused (its share unmounted in the guest, its VMM
+#                            gone) and resumed: the file and the project are back and `bulkhead
+#                            diff` lists the file
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
 # printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
@@ -171,8 +175,9 @@ build_binaries() {
     log "cargo build bulkhead-test-init ($MUSL_TARGET, release)"
     nice -n 10 cargo build --quiet --release --target "$MUSL_TARGET" -p bulkhead-test-init
     [[ "$GUEST" == run ]] || return 0
-    log "cargo build bulkhead ($GNU_TARGET, $PROFILE)"
+    log "cargo build bulkhead, bulkheadd ($GNU_TARGET, $PROFILE)"
     nice -n 10 cargo build --quiet "${release[@]}" --target "$GNU_TARGET" -p bulkhead-cli --bin bulkhead
+    nice -n 10 cargo build --quiet "${release[@]}" --target "$GNU_TARGET" -p bulkhead-daemon --bin bulkheadd
     log "cargo build bulkhead-agent ($MUSL_TARGET, release)"
     nice -n 10 cargo build --quiet --release --target "$MUSL_TARGET" -p bulkhead-agent
 }
@@ -231,7 +236,7 @@ HOST_SETUP
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-tty run-10mib run-disk run-virtiofs-read
     run-virtiofs-write run-egress run-publish template-clone clone-distinct clone-clock
-    clone-egress image-template-disk)
+    clone-egress image-template-disk daemon-pause-workspace)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -567,6 +572,34 @@ else
         /tmp/image-create.out /tmp/image-create.err /tmp/image-clone-1.out /tmp/image-clone-1.err \
         /tmp/image-clone-1.console /tmp/image-clone-2.out /tmp/image-clone-2.err
 fi
+# The daemon: pause and resume a sandbox with a clone workspace (the agent unmounts the share
+# before the snapshot and mounts it again over the kept changes).
+mkdir -p /run/bhd /tmp/ws && echo project >/tmp/ws/README
+/bin/bulkheadd --socket /run/bhd/d.sock --state-dir /run/bhd/state --mount-root /tmp \
+    --cgroups off --vmm /bin/bulkhead-vmm >/tmp/bulkheadd.log 2>&1 &
+daemon=$!
+export BULKHEAD_SOCKET=/run/bhd/d.sock
+i=0
+while [ ! -S /run/bhd/d.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+id=$(timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead create --workspace /tmp/ws:clone 2>/tmp/bhd-create.err)
+/bin/bulkhead exec "$id" -- sh -c 'echo before > /workspace/a' >/tmp/bhd.out 2>&1
+/bin/bulkhead pause "$id" >>/tmp/bhd.out 2>&1
+pause_status=$?
+vmm_while_paused=$(grep -l "bulkhead-vm[m]" /proc/[0-9]*/cmdline 2>/dev/null | wc -l)
+timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead resume "$id" >>/tmp/bhd.out 2>&1
+resume_status=$?
+seen=$(/bin/bulkhead exec "$id" -- cat /workspace/a /workspace/README 2>&1)
+changes=$(/bin/bulkhead diff "$id" 2>&1)
+/bin/bulkhead rm "$id" >>/tmp/bhd.out 2>&1
+kill "$daemon"
+if [ -n "$id" ] && [ "$pause_status" = 0 ] && [ "$vmm_while_paused" = 0 ] &&
+    [ "$resume_status" = 0 ] && [ "$seen" = "$(printf 'before\nproject')" ] &&
+    printf '%s\n' "$changes" | grep -q "^A.a$" && [ ! -e /tmp/ws/a ]; then
+    ok daemon-pause-workspace "paused (no VMM left) and resumed: /workspace/a and README read back, diff lists a, /tmp/ws untouched"
+else
+    fail daemon-pause-workspace "id [$id] pause $pause_status (VMMs while paused: $vmm_while_paused) resume $resume_status, read [$seen], diff [$changes]" \
+        /tmp/bhd-create.err /tmp/bhd.out /tmp/bulkheadd.log
+fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS
 }
@@ -669,16 +702,17 @@ build_host_initramfs() {
     mkdir -p "$stage"/{bin,sbin,lib,dev,proc,sys,tmp,guest,root}
     install -m 0755 "$busybox_dir/bin/busybox" "$stage/bin/busybox"
     for applet in sh mount ls cat echo dmesg grep timeout poweroff uname dd printf mkdir cp tr \
-        sed head cut wc sha256sum chown stat; do
+        sed head cut wc sha256sum chown stat sleep; do
         ln -s busybox "$stage/bin/$applet"
     done
     aarch64-linux-gnu-strip -o "$stage/bin/bulkhead-vmm" \
         "$CARGO_TARGET_DIR/$GNU_TARGET/$PROFILE/bulkhead-vmm"
     copy_shared_libs "$stage/bin/bulkhead-vmm" "$stage"
     if [[ "$GUEST" == run ]]; then
-        aarch64-linux-gnu-strip -o "$stage/bin/bulkhead" \
-            "$CARGO_TARGET_DIR/$GNU_TARGET/$PROFILE/bulkhead"
-        copy_shared_libs "$stage/bin/bulkhead" "$stage"
+        for b in bulkhead bulkheadd; do
+            aarch64-linux-gnu-strip -o "$stage/bin/$b" "$CARGO_TARGET_DIR/$GNU_TARGET/$PROFILE/$b"
+            copy_shared_libs "$stage/bin/$b" "$stage"
+        done
         # The default kernel and image of `bulkhead run` (HOME=/root, crates/sandbox/src/paths.rs).
         local data="$stage/root/.local/share/bulkhead"
         mkdir -p "$data/kernel/aarch64" "$data/images/default"

@@ -37,6 +37,7 @@ use bulkhead_protocol::boot::Share;
 use bulkhead_protocol::{write_frame, Ack, ErrorCode, Frame, SharesRequest, PROTOCOL_VERSION};
 
 use crate::conn::Conn;
+use crate::{log, workspace};
 
 /// The shares mounted now, in mount order (parents first).
 static MOUNTED: Mutex<Vec<Share>> = Mutex::new(Vec::new());
@@ -76,6 +77,9 @@ pub enum MountError {
         /// The OS error.
         source: io::Error,
     },
+    /// Mounting the clone workspace again failed.
+    #[error("the clone workspace: {0}")]
+    Workspace(String),
     /// Processes use files under the shares, which therefore stay mounted.
     #[error("processes use files under the shared directories: {0}; end them first")]
     Busy(String),
@@ -122,23 +126,35 @@ pub fn serve(mut conn: Conn, req: &SharesRequest) {
     let _ = write_frame(&mut conn, &reply);
 }
 
-/// Unmounts every share, children first, unless a process uses a file under one.
+/// Unmounts every share, children first, and the clone workspace (its changes kept, see
+/// [`crate::workspace`]), unless a process uses a file under one.
 ///
 /// # Errors
 /// [`MountError::Busy`] naming the processes (nothing unmounted); [`MountError::Unmount`]
-/// (the shares unmounted before are mounted again).
+/// (what was unmounted before is mounted again).
 pub fn unmount_all() -> Result<(), MountError> {
     let mut mounted = lock(&MOUNTED);
-    let targets: Vec<&Path> = mounted.iter().map(|s| s.guest_dir.as_path()).collect();
+    let workspace = workspace::mounted_target();
+    let targets: Vec<&Path> = mounted
+        .iter()
+        .map(|s| s.guest_dir.as_path())
+        .chain(workspace.as_deref())
+        .collect();
     let users = users_under(Path::new("/proc"), &targets, std::process::id());
     if !users.is_empty() {
         return Err(MountError::Busy(users.join(", ")));
+    }
+    if let Some(path) = workspace {
+        workspace::unmount().map_err(|source| MountError::Unmount { path, source })?;
     }
     let mut done: Vec<Share> = Vec::new();
     for share in mounted.iter().rev() {
         if let Err(source) = unmount(&share.guest_dir) {
             for undone in done.iter().rev() {
                 let _ = mount_share(undone);
+            }
+            if let Err(e) = workspace::mount_again() {
+                log!("cannot mount the clone workspace again: {e}");
             }
             return Err(MountError::Unmount {
                 path: share.guest_dir.clone(),
@@ -153,11 +169,13 @@ pub fn unmount_all() -> Result<(), MountError> {
     Ok(())
 }
 
-/// Mounts again what the unmounts since the last restore took.
+/// Mounts again what the unmounts since the last restore took: the clone workspace, then the
+/// shares.
 ///
 /// # Errors
 /// The first failed mount.
 pub fn mount_again() -> Result<(), MountError> {
+    workspace::mount_again().map_err(|e| MountError::Workspace(e.to_string()))?;
     let shares = std::mem::take(&mut *lock(&UNMOUNTED));
     mount_all(&shares)
 }
@@ -167,7 +185,8 @@ pub fn forget_unmounted() {
     lock(&UNMOUNTED).clear();
 }
 
-fn unmount(path: &Path) -> io::Result<()> {
+/// umount(2) of `path`, without flags.
+pub(crate) fn unmount(path: &Path) -> io::Result<()> {
     let target = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: `target` is a NUL-terminated string that outlives the call.

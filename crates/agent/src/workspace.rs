@@ -20,21 +20,29 @@
 //! 3. mounts `overlay` at `GUEST_DIR` (`nosuid,nodev`, `redirect_dir=off,metacopy=off,
 //!    index=off`, so every change is a plain copy-up or whiteout that [`crate::changes`]
 //!    understands);
-//! 4. keeps open directory descriptors of the lower and upper directories and detaches the two
-//!    staging mounts (the overlay holds its own references), so guest commands see only
-//!    `GUEST_DIR`; the change set is read through `/proc/self/fd/N`.
+//! 4. keeps open directory descriptors of the lower and upper directories and detaches the
+//!    lower staging mount (the overlay holds its own reference); the change set is read through
+//!    `/proc/self/fd/N`. The writable layer stays mounted at `/run/bulkhead/workspace/rw`
+//!    (mode 0700 on a tmpfs), where a pause can put the overlay back over it (overlayfs takes
+//!    no layer on a detached mount); guest root could reach it through `/proc/1/fd` anyway.
 //!
 //! Nothing the guest does reaches the host directory: the VMM's file server refuses every write
 //! to the read-only share (`EROFS`), and overlayfs never writes to a lower layer.
 //!
 //! A malformed parameter or a failed mount is fatal, as for shares: PID 1 logs the reason to the
 //! debug port and reboots before announcing readiness.
+//!
+//! Before a snapshot ([`unmount`], for the `Shares` request of [`crate::mounts`]) the overlay
+//! is unmounted and the lower layer's descriptor closed, which ends the share's FUSE session;
+//! the writable layer stays mounted, so the guest's changes stay. The restore (or, when the
+//! snapshot failed, [`mount_again`]) mounts the share again and the overlay over the same
+//! `upper` and `work` directories.
 
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard};
 
 use bulkhead_protocol::frame::encode_raw;
 use bulkhead_protocol::{
@@ -126,13 +134,7 @@ pub fn mount_plan(spec: &CloneSpec, staging: &Path) -> Vec<Step> {
     vec![
         Step::Mkdir(lower.clone()),
         Step::Mkdir(rw.clone()),
-        Step::Mount {
-            source: spec.tag.clone(),
-            target: lower.clone(),
-            fstype: "virtiofs",
-            flags: libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
-            data: String::new(),
-        },
+        share_mount(spec, &lower),
         match &spec.upper {
             Overlay::Tmpfs => Step::Mount {
                 source: "tmpfs".to_owned(),
@@ -154,19 +156,36 @@ pub fn mount_plan(spec: &CloneSpec, staging: &Path) -> Vec<Step> {
         Step::Mkdir(layers.join("upper")),
         Step::Mkdir(layers.join("work")),
         Step::Mkdir(spec.target.clone()),
-        Step::Mount {
-            source: "overlay".to_owned(),
-            target: spec.target.clone(),
-            fstype: "overlay",
-            flags: libc::MS_NOSUID | libc::MS_NODEV,
-            data: format!(
-                "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off,index=off",
-                lower.display(),
-                layers.join("upper").display(),
-                layers.join("work").display()
-            ),
-        },
+        overlay_mount(spec, &lower, &layers),
     ]
+}
+
+/// The read-only virtiofs mount of `spec`'s share at `lower`.
+fn share_mount(spec: &CloneSpec, lower: &Path) -> Step {
+    Step::Mount {
+        source: spec.tag.clone(),
+        target: lower.to_owned(),
+        fstype: "virtiofs",
+        flags: libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+        data: String::new(),
+    }
+}
+
+/// The overlay at `spec`'s target over `lower`, with `upper` and `work` in `layers`: no
+/// redirects, metacopy or index (see the module docs).
+fn overlay_mount(spec: &CloneSpec, lower: &Path, layers: &Path) -> Step {
+    Step::Mount {
+        source: "overlay".to_owned(),
+        target: spec.target.clone(),
+        fstype: "overlay",
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        data: format!(
+            "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off,index=off",
+            lower.display(),
+            layers.join("upper").display(),
+            layers.join("work").display()
+        ),
+    }
 }
 
 /// The layer directories the change set is computed from.
@@ -174,39 +193,149 @@ pub fn mount_plan(spec: &CloneSpec, staging: &Path) -> Vec<Step> {
 struct Layers {
     upper: PathBuf,
     lower: PathBuf,
-    /// Open directories that `upper` and `lower` name through `/proc/self/fd`.
-    _held: Vec<File>,
+    /// The mounted workspace's descriptors; `None` for [`use_layers`].
+    held: Option<Held>,
 }
 
-static LAYERS: OnceLock<Layers> = OnceLock::new();
+/// Open directories of a mounted clone workspace, named through `/proc/self/fd`.
+#[derive(Debug)]
+struct Held {
+    /// What was mounted (for a mount again after a failed snapshot).
+    spec: CloneSpec,
+    /// The writable layer's `upper` directory.
+    _upper: File,
+    /// The lower layer (the share); `None` while unmounted for a snapshot.
+    lower: Option<File>,
+}
 
-/// Sets up the clone workspace `spec`. Call as PID 1 after the root switch.
+static LAYERS: Mutex<Option<Layers>> = Mutex::new(None);
+
+fn layers() -> MutexGuard<'static, Option<Layers>> {
+    LAYERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn fd_path(file: &File) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
+fn open(path: PathBuf) -> Result<File, WorkspaceError> {
+    File::open(&path).map_err(|source| WorkspaceError::Open { path, source })
+}
+
+/// Sets up the clone workspace `spec`. Call as PID 1 after the root switch. When the workspace
+/// was unmounted for a snapshot ([`unmount`]), mounts it again over the layers it had.
 ///
 /// # Errors
 /// The first failed mount.
 pub fn mount(spec: &CloneSpec) -> Result<(), WorkspaceError> {
+    let mut layers = layers();
+    if let Some(Layers {
+        held: Some(held), ..
+    }) = layers.as_mut()
+    {
+        if held.lower.is_none() {
+            let lower = remount(spec)?;
+            let lower_path = fd_path(&lower);
+            held.lower = Some(lower);
+            held.spec = spec.clone();
+            if let Some(l) = layers.as_mut() {
+                l.lower = lower_path;
+            }
+            return Ok(());
+        }
+    }
     let staging = Path::new(STAGING_DIR);
     for step in mount_plan(spec, staging) {
         rootfs::apply(&step)?;
     }
-    let open =
-        |path: PathBuf| File::open(&path).map_err(|source| WorkspaceError::Open { path, source });
     let upper = open(staging.join("rw").join(LAYER_DIR).join("upper"))?;
     let lower = open(staging.join("lower"))?;
-    let fd_path = |f: &File| PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
-    let layers = Layers {
+    *layers = Some(Layers {
         upper: fd_path(&upper),
         lower: fd_path(&lower),
-        _held: vec![upper, lower],
-    };
-    // Hiding the staging mounts is tidiness, not safety (guest root could reach the layers
-    // through /proc/1/fd anyway): failures are ignored.
-    for mount in ["lower", "rw"] {
-        detach(&staging.join(mount));
-    }
-    let _ = fs::remove_dir_all(staging);
-    let _ = LAYERS.set(layers);
+        held: Some(Held {
+            spec: spec.clone(),
+            _upper: upper,
+            lower: Some(lower),
+        }),
+    });
+    hide_lower(staging);
     Ok(())
+}
+
+/// Hiding the lower staging mount is tidiness, not safety (guest root could reach the layers
+/// through /proc/1/fd anyway): failures are ignored.
+fn hide_lower(staging: &Path) {
+    let lower = staging.join("lower");
+    detach(&lower);
+    let _ = fs::remove_dir(lower);
+}
+
+/// Mounts the share of `spec` again and the overlay over the kept `upper` and `work` of the
+/// writable layer (still mounted at the staging directory); returns the new lower layer's
+/// descriptor.
+fn remount(spec: &CloneSpec) -> Result<File, WorkspaceError> {
+    let staging = Path::new(STAGING_DIR);
+    let lower = staging.join("lower");
+    let kept = staging.join("rw").join(LAYER_DIR);
+    let steps = [
+        Step::Mkdir(lower.clone()),
+        share_mount(spec, &lower),
+        Step::Mkdir(spec.target.clone()),
+        overlay_mount(spec, &lower, &kept),
+    ];
+    for step in &steps {
+        rootfs::apply(step)?;
+    }
+    let file = open(lower)?;
+    hide_lower(staging);
+    Ok(file)
+}
+
+/// Where the mounted clone workspace is, if there is one (none while it is unmounted).
+pub fn mounted_target() -> Option<PathBuf> {
+    let layers = layers();
+    let held = layers.as_ref()?.held.as_ref()?;
+    held.lower.as_ref().map(|_| held.spec.target.clone())
+}
+
+/// Unmounts the clone workspace for a snapshot: the overlay, then the lower layer (its last
+/// descriptor closed ends the share's FUSE session); the writable layer stays. Nothing happens
+/// without a mounted workspace.
+///
+/// # Errors
+/// umount(2)'s, with the workspace still mounted.
+pub fn unmount() -> io::Result<()> {
+    let mut layers = layers();
+    let Some(l) = layers.as_mut() else {
+        return Ok(());
+    };
+    let Some(held) = l.held.as_mut().filter(|h| h.lower.is_some()) else {
+        return Ok(());
+    };
+    crate::mounts::unmount(&held.spec.target)?;
+    held.lower = None;
+    // The descriptor's number may be reused: no change set until the workspace is back.
+    l.lower = PathBuf::new();
+    Ok(())
+}
+
+/// Mounts again a clone workspace that [`unmount`] took (the snapshot failed and the guest goes
+/// on); nothing happens otherwise.
+///
+/// # Errors
+/// The first failed mount.
+pub fn mount_again() -> Result<(), WorkspaceError> {
+    let spec = {
+        let layers = layers();
+        match layers.as_ref().and_then(|l| l.held.as_ref()) {
+            Some(held) if held.lower.is_none() => held.spec.clone(),
+            _ => return Ok(()),
+        }
+    };
+    mount(&spec)
 }
 
 fn detach(path: &Path) {
@@ -221,11 +350,14 @@ fn detach(path: &Path) {
 /// test mode and the daemon's fake VMM, which have no overlay). Has no effect once a workspace
 /// is set up.
 pub fn use_layers(upper: PathBuf, lower: PathBuf) {
-    let _ = LAYERS.set(Layers {
-        upper,
-        lower,
-        _held: Vec::new(),
-    });
+    let mut layers = layers();
+    if layers.is_none() {
+        *layers = Some(Layers {
+            upper,
+            lower,
+            held: None,
+        });
+    }
 }
 
 /// Serves a `WorkspaceChanges` request: `Change` records (with `Data* End` where asked for) and
@@ -251,13 +383,16 @@ fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), 
             ),
         ));
     }
-    let layers = LAYERS.get().ok_or_else(|| {
-        ErrorMessage::new(
-            ErrorCode::InvalidRequest,
-            "this sandbox has no clone workspace (start it with --workspace DIR:clone)",
-        )
-    })?;
-    let set = changes::compute(&layers.upper, &layers.lower).map_err(|e| other(e.to_string()))?;
+    let (upper, lower) = layers()
+        .as_ref()
+        .map(|l| (l.upper.clone(), l.lower.clone()))
+        .ok_or_else(|| {
+            ErrorMessage::new(
+                ErrorCode::InvalidRequest,
+                "this sandbox has no clone workspace (start it with --workspace DIR:clone)",
+            )
+        })?;
+    let set = changes::compute(&upper, &lower).map_err(|e| other(e.to_string()))?;
     let mut frame = Vec::with_capacity(DATA_CHUNK + 64);
     for change in &set.changes {
         let data = change.has_contents()
@@ -269,8 +404,7 @@ fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), 
                     .any(|n| *n == file_name(&change.path)));
         send(conn, &Frame::Change(record(change, data))).map_err(other)?;
         if data {
-            send_contents(conn, &layers.upper.join(&change.path), change, &mut frame)
-                .map_err(other)?;
+            send_contents(conn, &upper.join(&change.path), change, &mut frame).map_err(other)?;
         }
     }
     send(

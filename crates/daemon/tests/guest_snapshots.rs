@@ -266,9 +266,9 @@ fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
 vm_test!(
     fn a_sandbox_with_a_workspace_and_a_mount_pauses_once_nothing_uses_them_and_resumes_with_both()
     {
-        // Arrange: a direct workspace (read-write, so owned by an unprivileged user for the
-        // jailed VMM) and a read-only mount, under a mount root the VMM may enter; one guest
-        // process works in /workspace, another in /.
+        // Arrange: a clone workspace (its changes an overlay in the guest) and a read-write
+        // mount (owned by an unprivileged user for the jailed VMM), under a mount root the VMM
+        // may enter; one guest process works in /workspace, another in /.
         let root = bulkhead_tests::socket_dir();
         let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
         std::fs::set_permissions(root.path(), mode).unwrap();
@@ -276,20 +276,21 @@ vm_test!(
         for dir in [&ws, &data] {
             std::fs::create_dir(dir).unwrap();
         }
+        std::fs::write(ws.join("README"), "project\n").unwrap();
         std::fs::write(data.join("hello"), "hi\n").unwrap();
-        std::os::unix::fs::chown(&ws, Some(1000), Some(1000)).unwrap();
+        std::os::unix::fs::chown(&data, Some(1000), Some(1000)).unwrap();
         let daemon = real_daemon("", &["--mount-root", root.path().to_str().unwrap()]);
         let client = daemon.client();
         let rt = rt();
         let request = bulkhead_client::CreateSandbox {
             workspace: Some(bulkhead_client::WorkspaceSpec {
                 path: ws.display().to_string(),
-                mode: bulkhead_client::WorkspaceMode::Direct,
+                mode: bulkhead_client::WorkspaceMode::Clone,
             }),
             mounts: vec![bulkhead_client::MountSpec {
                 host: data.display().to_string(),
                 guest: "/data".into(),
-                ro: true,
+                ro: false,
             }],
             ..small(128)
         };
@@ -314,13 +315,20 @@ vm_test!(
              while [ -e /proc/$p/cwd ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done",
         );
         let paused = rt.block_on(client.pause(&sb.id));
-        let resumed = rt.block_on(client.resume(&sb.id));
+        let resumed = rt.block_on(client.resume(&sb.id)).unwrap_or_else(|e| {
+            panic!(
+                "resume: {e}\n{}\n{}",
+                vm_logs(&daemon.vms_dir()),
+                daemon.log()
+            )
+        });
         let after = sh(
             &daemon,
             &sb.id,
-            "cat /workspace/a /data/hello; kill -0 $(cat /tmp/idle) && echo alive; \
-             echo after > /workspace/b; touch /data/x 2>/dev/null || echo read-only",
+            "cat /workspace/a /workspace/README /data/hello; kill -0 $(cat /tmp/idle) && \
+             echo alive; echo after > /workspace/b; echo guest > /data/g",
         );
+        let diff = rt.block_on(client.workspace_diff(&sb.id));
         rt.block_on(client.delete(&sb.id)).unwrap();
 
         // Assert
@@ -335,13 +343,25 @@ vm_test!(
             }
             other => panic!("a pause with a process in /workspace: {other:?}"),
         }
-        assert_eq!(while_busy, "hi\na\n", "the refused pause changed the guest");
+        assert_eq!(
+            while_busy, "hi\nREADME\na\n",
+            "the refused pause changed the guest"
+        );
         let paused = paused.unwrap_or_else(|e| panic!("pause: {e}\n{}", daemon.log()));
         assert_eq!(paused.state, SandboxState::Paused);
-        let resumed =
-            resumed.unwrap_or_else(|e| panic!("resume: {e}\n{}", vm_logs(&daemon.vms_dir())));
-        assert_eq!(after, "before\nhi\nalive\nread-only\n");
-        assert_eq!(std::fs::read_to_string(ws.join("b")).unwrap(), "after\n");
+        assert_eq!(after, "before\nproject\nhi\nalive\n");
+        let diff = diff.unwrap_or_else(|e| panic!("diff: {e}"));
+        let changed: Vec<&str> = diff.changes.iter().map(|c| c.path.as_str()).collect();
+        assert_eq!(
+            changed,
+            ["a", "b"],
+            "the clone workspace's changes, before and after"
+        );
+        assert!(
+            !ws.join("a").exists(),
+            "a clone workspace wrote to the host"
+        );
+        assert_eq!(std::fs::read_to_string(data.join("g")).unwrap(), "guest\n");
         assert_eq!(
             daemon.leftovers(&[sb.vmm_pid.unwrap(), resumed.vmm_pid.unwrap()]),
             Vec::<String>::new()

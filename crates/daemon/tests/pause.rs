@@ -212,7 +212,7 @@ fn pause_and_resume_twice_change_nothing_and_a_failed_sandbox_is_a_conflict() {
 }
 
 #[test]
-fn a_sandbox_with_a_clone_workspace_is_not_paused_and_keeps_running() {
+fn a_sandbox_with_a_clone_workspace_is_paused_and_resumed_with_it() {
     // Arrange
     let root = tempfile::tempdir().unwrap();
     let daemon = TestDaemon::start_with(&["--mount-root", root.path().to_str().unwrap()]);
@@ -228,20 +228,17 @@ fn a_sandbox_with_a_clone_workspace_is_not_paused_and_keeps_running() {
     let sb = rt.block_on(client.create(&request)).unwrap();
 
     // Act
-    let refused = api_error(rt.block_on(client.pause(&sb.id)));
-    let after = rt.block_on(client.get(&sb.id)).unwrap();
+    let paused = rt.block_on(client.pause(&sb.id)).unwrap();
+    let resumed = rt.block_on(client.resume(&sb.id)).unwrap();
 
     // Assert
-    assert_eq!((refused.0, refused.1.as_str()), (409, "not_supported"));
-    assert!(
-        refused
-            .2
-            .contains("cannot be paused: a sandbox with a clone workspace"),
-        "{refused:?}"
+    assert_eq!(paused.state, SandboxState::Paused);
+    assert_eq!(resumed.state, SandboxState::Running);
+    assert_eq!(
+        resumed.workspace.as_ref().map(|w| w.mode),
+        Some(bulkhead_client::WorkspaceMode::Clone)
     );
-    assert_eq!(after.state, SandboxState::Running);
-    assert_eq!(after.vmm_pid, sb.vmm_pid, "the same VMM");
-    assert!(alive(sb.vmm_pid.unwrap()));
+    assert!(alive(resumed.vmm_pid.unwrap()));
 }
 
 /// `target/<profile>/bulkhead`, built alongside this test (`cargo build --workspace --bins`).

@@ -125,9 +125,10 @@ impl Sandbox {
     /// Take it when nothing runs that needs the host: connections to the sandbox are reset in
     /// every restored copy.
     ///
-    /// The agent first unmounts the guest's shared directories (mounts, a direct workspace): a
-    /// share in use by the guest cannot be saved. A restore with the same mounts and workspace
-    /// mounts them again; the workspace's records (for `diff`) are kept with the snapshot.
+    /// The agent first unmounts the guest's shared directories (mounts, a workspace; a clone
+    /// workspace's changes stay in the guest): a share in use by the guest cannot be saved. A
+    /// restore with the same mounts and workspace mounts them again; the workspace's records
+    /// (for `diff`) are kept with the snapshot.
     ///
     /// A jailed VMM writes the snapshot into its runtime directory's `vmm/snapshot` (the only
     /// place it may write), from where it is moved into `dir`.
@@ -135,9 +136,9 @@ impl Sandbox {
     /// # Errors
     /// [`Error::SnapshotRefused`] while a guest process uses a file under a shared directory
     /// (the sandbox runs on unchanged); [`Error::Snapshot`] when the VMM has no control socket
-    /// (a sandbox adopted from an older bulkhead), the VMM refuses (e.g. a clone workspace is
-    /// mounted in the guest) or the files cannot be written; the sandbox keeps running, its
-    /// shares mounted again, when the VMM refused.
+    /// (a sandbox adopted from an older bulkhead), the VMM refuses (e.g. an older agent left a
+    /// share mounted) or the files cannot be written; the sandbox keeps running, its shares
+    /// mounted again, when the VMM refused.
     pub fn snapshot_into(&mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
         let runtime = self.dir.clone().unwrap_or_default();
         let socket = runtime.join(API_SOCKET);
@@ -194,6 +195,7 @@ impl Sandbox {
             disks,
         };
         manifest.write(dir)?;
+        files::restrict(dir)?;
         if self.wait_exit(EXIT_AFTER_SNAPSHOT)?.is_none() {
             tracing::warn!("the VMM did not exit after its snapshot; stopping it");
         }

@@ -74,10 +74,16 @@ pub fn prepare(opts: &PrepareOptions) -> Result<Prepared, PrepareError> {
     let package = kernel::resolve_cached(&root, opts.kernel_package.as_deref())?;
     let mut binaries = opts.extra_libs_for.clone();
     binaries.push(busybox.clone());
+    let mke2fs = host_mke2fs();
+    binaries.extend(mke2fs.iter().map(|(bin, _)| bin.clone()));
     let libs = libs::collect(&binaries)?;
     let _lock = CacheLock::acquire(&root)?;
     let kernel = kernel::ensure(&root, &package)?;
-    let spec = initramfs_spec(&busybox, &kernel.modules, libs.keys().map(PathBuf::as_path));
+    let mut spec = initramfs_spec(&busybox, &kernel.modules, libs.keys().map(PathBuf::as_path));
+    if let Some((bin, conf)) = &mke2fs {
+        spec.files.push(host_file("/sbin/mkfs.ext4", bin, 0o755));
+        spec.files.push(host_file("/etc/mke2fs.conf", conf, 0o644));
+    }
     let initramfs = initramfs::ensure(&root, &spec.load()?)?;
     Ok(Prepared {
         cache_root: root,
@@ -85,6 +91,19 @@ pub fn prepare(opts: &PrepareOptions) -> Result<Prepared, PrepareError> {
         kernel: kernel.boot_image,
         initramfs,
     })
+}
+
+/// This host's `mke2fs` and its `/etc/mke2fs.conf` (which defines ext4 for it), when
+/// e2fsprogs is installed: the test host gets them as `/sbin/mkfs.ext4`, with which bulkhead
+/// formats scratch disks (`--disk`, `disk_mib`). Without them a scratch disk fails there with an
+/// error that says to install e2fsprogs.
+fn host_mke2fs() -> Option<(PathBuf, PathBuf)> {
+    let conf = PathBuf::from("/etc/mke2fs.conf");
+    let bin = ["/usr/sbin/mke2fs", "/sbin/mke2fs"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())?;
+    conf.is_file().then_some((bin, conf))
 }
 
 /// Minimal account files, so that `getpwuid(0)` and friends work in the test host.

@@ -100,7 +100,7 @@ pub async fn delete(
         (status = 200, description = "Paused", body = SandboxInfo),
         (status = 400, description = "An ambiguous ID prefix", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "Not running (code conflict); a sandbox that cannot be paused yet: one with a clone workspace or data disks, or a VMM without a control socket (code not_supported); guest processes use files under its shared directories (code busy, naming them); nothing changed", body = ErrorBody),
+        (status = 409, description = "Not running (code conflict); a sandbox whose VMM has no control socket (code not_supported); guest processes use files under its shared directories (code busy, naming them); nothing changed", body = ErrorBody),
         (status = 500, description = "Saving the VM failed; the VM is lost and the sandbox is failed (reason pause_failed)", body = ErrorBody)))]
 pub async fn pause(
     State(manager): State<Manager>,

@@ -257,7 +257,7 @@ struct Args {
 
 const USAGE: &str = "usage: bulkhead-fake-vmm (--config vm.json | --restore DIR --vsock-uds PATH) \
      [--api-sock PATH] [--exit-file FILE] [--serial OUT] [--timings-json FILE] \
-     [--jail-uid U --jail-gid G --jail-root DIR]";
+     [--jail-uid U --jail-gid G --jail-root DIR] [--share TAG=DIR]... [--disk PATH]...";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args_os().skip(1);
@@ -277,8 +277,12 @@ fn parse_args() -> Result<Args, String> {
             Some("--api-sock") => parsed.api_sock = Some(value),
             Some("--exit-file") => parsed.exit_file = Some(value),
             // Accepted as bulkhead-vmm accepts them; the fake neither times nor jails itself,
-            // and its serial console is its stdout.
-            Some("--timings-json" | "--jail-uid" | "--jail-gid" | "--jail-root" | "--serial") => {}
+            // its serial console is its stdout, and a restore's shares and disks are what the
+            // host's agent sees anyway.
+            Some(
+                "--timings-json" | "--jail-uid" | "--jail-gid" | "--jail-root" | "--serial"
+                | "--share" | "--disk",
+            ) => {}
             _ => return Err(USAGE.into()),
         }
     }

@@ -19,7 +19,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bulkhead_client::{SandboxInfo, SandboxState};
-use bulkhead_sandbox::workspace::WorkspaceMode;
 use bulkhead_sandbox::{Error as SandboxError, Sandbox, SandboxConfig, SandboxSpec};
 
 use super::lifecycle::cleanup_files_and_cgroup;
@@ -38,7 +37,7 @@ impl Manager {
     /// # Errors
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`]; [`ManagerError::Conflict`] when
     /// it is neither running nor paused; [`ManagerError::Unsupported`] for a sandbox whose VM
-    /// cannot be restored yet (a clone workspace, data disks) or whose VMM
+    /// cannot be restored yet (data disks) or whose VMM
     /// cannot save it; [`ManagerError::Internal`] when saving failed (the VM is lost and the
     /// sandbox `failed`).
     pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
@@ -192,28 +191,14 @@ impl Manager {
 /// Refuses to pause a sandbox whose VM cannot be restored yet, or whose VMM (`runtime`: its
 /// runtime directory) has no control socket.
 fn pausable(id: &str, spec: &SandboxSpec, runtime: Option<&Path>) -> Result<(), ManagerError> {
-    let clone_workspace = spec
-        .workspace
-        .as_ref()
-        .is_some_and(|w| w.mode == WorkspaceMode::Clone);
-    let blockers: Vec<&str> = [
-        // Mounts and a direct workspace are unmounted in the guest before the VM is saved and
-        // mounted again by the resume; a clone workspace's overlay (its changes in the guest)
-        // cannot be taken apart yet.
-        ("a clone workspace", clone_workspace),
-        // An image is read-only and is opened again by path (the restore checks that it is
-        // unchanged); the scratch disk is saved with the VM. A restore refuses data disks: the
-        // caller's files, which the daemon cannot keep as they were.
-        ("data disks", !spec.disk_files.is_empty()),
-    ]
-    .iter()
-    .filter(|(_, has)| *has)
-    .map(|(what, _)| *what)
-    .collect();
-    if !blockers.is_empty() {
+    // Mounts and a workspace are unmounted in the guest before the VM is saved and mounted
+    // again by the resume (a clone workspace's changes stay in the guest meanwhile). An image
+    // is read-only and is opened again by path (the restore checks that it is unchanged); the
+    // scratch disk is saved with the VM. A restore refuses data disks: the caller's files,
+    // which the daemon cannot keep as they were.
+    if !spec.disk_files.is_empty() {
         return Err(ManagerError::Unsupported(format!(
-            "sandbox {id} cannot be paused: a sandbox with {} cannot be restored yet",
-            blockers.join(", ")
+            "sandbox {id} cannot be paused: a sandbox with data disks cannot be restored yet"
         )));
     }
     if !runtime.is_some_and(|dir| dir.join(CONTROL_SOCKET).exists()) {

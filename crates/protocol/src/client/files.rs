@@ -159,7 +159,9 @@ impl AgentClient {
     }
 }
 
-fn ack(mut stream: UnixStream, what: &'static str) -> Result<(), ClientError> {
+/// Reads the agent's answer to a request that ends with `Ack`: `Error` is
+/// [`ClientError::Agent`], a closed connection [`ClientError::Closed`] (`what` was going on).
+pub(super) fn ack(mut stream: UnixStream, what: &'static str) -> Result<(), ClientError> {
     match read_frame(&mut stream).map_err(classify)? {
         Some(Frame::Ack(_)) => Ok(()),
         Some(Frame::Error(e)) => Err(ClientError::Agent(e)),

@@ -317,15 +317,7 @@ impl AgentClient {
     pub fn restored(&self, request: &RestoredRequest) -> Result<(), ClientError> {
         let mut stream = self.connect()?;
         write_frame(&mut stream, &Frame::Restored(request.clone())).map_err(classify)?;
-        match read_frame(&mut stream).map_err(classify)? {
-            Some(Frame::Ack(_)) => Ok(()),
-            Some(Frame::Error(e)) => Err(ClientError::Agent(e)),
-            Some(other) => Err(ClientError::Unexpected {
-                expected: "Ack or Error",
-                got: other.kind(),
-            }),
-            None => Err(ClientError::Closed("acknowledging the restore")),
-        }
+        files::ack(stream, "acknowledging the restore")
     }
 
     /// Asks the agent to unmount its virtio-fs shares (`mounted: false`) or to mount again
@@ -339,15 +331,7 @@ impl AgentClient {
             mounted,
         };
         write_frame(&mut stream, &Frame::Shares(request)).map_err(classify)?;
-        match read_frame(&mut stream).map_err(classify)? {
-            Some(Frame::Ack(_)) => Ok(()),
-            Some(Frame::Error(e)) => Err(ClientError::Agent(e)),
-            Some(other) => Err(ClientError::Unexpected {
-                expected: "Ack or Error",
-                got: other.kind(),
-            }),
-            None => Err(ClientError::Closed("changing the shares' mounts")),
-        }
+        files::ack(stream, "changing the shares' mounts")
     }
 }
 

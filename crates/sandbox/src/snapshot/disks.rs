@@ -147,10 +147,13 @@ pub(super) fn check(dir: &Path, disks: &[DiskIdentity]) -> Result<(), Error> {
     for disk in disks {
         let path = disk.path.display();
         if let Some(name) = &disk.saved {
-            let size = fs::metadata(dir.join(name)).map(|m| m.len());
+            let saved = dir.join(name);
+            let size = fs::metadata(&saved).map(|m| m.len());
             if size.as_ref().ok() != Some(&disk.size) {
                 return Err(Error::Snapshot(format!(
-                    "the snapshot's saved disk {name} (of {path}) is missing or damaged: {}",
+                    "its saved disk {} is missing or damaged ({}): it cannot be restored; make \
+                     the template again",
+                    saved.display(),
                     match size {
                         Ok(n) => format!("{n} bytes, not {}", disk.size),
                         Err(e) => e.to_string(),

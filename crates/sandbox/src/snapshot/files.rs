@@ -3,7 +3,7 @@
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use bulkhead_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
@@ -12,6 +12,30 @@ use crate::sandbox::Error;
 
 /// Bytes copied per read while copying a memory file's data.
 const COPY_CHUNK: usize = 1 << 20;
+
+/// Makes the snapshot directory `dir` this user's only (0700) and each file in it (0600): guest
+/// memory and disks hold whatever the guest held, secrets included, whatever the umask or a
+/// rename across owners left.
+///
+/// # Errors
+/// [`Error::Snapshot`] naming what could not be changed.
+pub(super) fn restrict(dir: &Path) -> Result<(), Error> {
+    let failed = |path: &Path, e: io::Error| {
+        Error::Snapshot(format!(
+            "cannot restrict the mode of {}: {e}",
+            path.display()
+        ))
+    };
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(|e| failed(dir, e))?;
+    for entry in fs::read_dir(dir).map_err(|e| failed(dir, e))? {
+        let path = entry.map_err(|e| failed(dir, e))?.path();
+        if path.is_file() {
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o600))
+                .map_err(|e| failed(&path, e))?;
+        }
+    }
+    Ok(())
+}
 
 /// Moves `from/state` and `from/memory` into `to` (created if missing), owned by this process's
 /// user, then removes `from`. A rename where both are on one file system, else a copy that keeps
@@ -54,7 +78,13 @@ pub(super) fn move_file(src: &Path, dst: &Path) -> io::Result<()> {
 /// written), else writing only its data segments (`lseek(SEEK_DATA/SEEK_HOLE)`, lseek(2)).
 pub(super) fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
     let input = File::open(src)?;
-    let output = File::create(dst)?;
+    // Guest memory and disks: for this user only.
+    let output = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(dst)?;
     // SAFETY: FICLONE takes the source descriptor as its argument; both descriptors are open
     // and owned by this function for the call. It changes nothing when it fails.
     if unsafe { libc::ioctl(output.as_raw_fd(), libc::FICLONE, input.as_raw_fd()) } == 0 {
@@ -138,6 +168,28 @@ mod tests {
             blocks < 1024,
             "{blocks} blocks of 512 bytes: the holes were filled"
         );
+    }
+
+    #[test]
+    fn a_restricted_snapshot_directory_and_its_files_are_the_owners_only() {
+        // Arrange: what a umask of 022 leaves.
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("snap");
+        fs::create_dir(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+        for name in ["memory", "disk-1.img"] {
+            fs::write(dir.join(name), b"guest").unwrap();
+            fs::set_permissions(dir.join(name), fs::Permissions::from_mode(0o644)).unwrap();
+        }
+
+        // Act
+        restrict(&dir).unwrap();
+
+        // Assert
+        let mode = |p: &Path| fs::metadata(p).unwrap().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&dir.join("memory")), 0o600);
+        assert_eq!(mode(&dir.join("disk-1.img")), 0o600);
     }
 
     #[test]
