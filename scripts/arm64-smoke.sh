@@ -582,22 +582,31 @@ export BULKHEAD_SOCKET=/run/bhd/d.sock
 i=0
 while [ ! -S /run/bhd/d.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
 id=$(timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead create --workspace /tmp/ws:clone 2>/tmp/bhd-create.err)
+# VMM processes: those whose command line starts with the daemon's --vmm path (a jailed VMM
+# is two: its jail's parent and the VMM).
+vmms() {
+    for f in /proc/[0-9]*/cmdline; do
+        head -c 17 "$f" 2>/dev/null
+        echo
+    done | grep -c '^/bin/bulkhead-vmm'
+}
 /bin/bulkhead exec "$id" -- sh -c 'echo before > /workspace/a' >/tmp/bhd.out 2>&1
+vmm_running=$(vmms)
 /bin/bulkhead pause "$id" >>/tmp/bhd.out 2>&1
 pause_status=$?
-vmm_while_paused=$(grep -l "bulkhead-vm[m]" /proc/[0-9]*/cmdline 2>/dev/null | wc -l)
+vmm_while_paused=$(vmms)
 timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead resume "$id" >>/tmp/bhd.out 2>&1
 resume_status=$?
 seen=$(/bin/bulkhead exec "$id" -- cat /workspace/a /workspace/README 2>&1)
 changes=$(/bin/bulkhead diff "$id" 2>&1)
 /bin/bulkhead rm "$id" >>/tmp/bhd.out 2>&1
 kill "$daemon"
-if [ -n "$id" ] && [ "$pause_status" = 0 ] && [ "$vmm_while_paused" = 0 ] &&
+if [ -n "$id" ] && [ "$pause_status" = 0 ] && [ "$vmm_running" -ge 1 ] && [ "$vmm_while_paused" = 0 ] &&
     [ "$resume_status" = 0 ] && [ "$seen" = "$(printf 'before\nproject')" ] &&
     printf '%s\n' "$changes" | grep -q "^A.a$" && [ ! -e /tmp/ws/a ]; then
     ok daemon-pause-workspace "paused (no VMM left) and resumed: /workspace/a and README read back, diff lists a, /tmp/ws untouched"
 else
-    fail daemon-pause-workspace "id [$id] pause $pause_status (VMMs while paused: $vmm_while_paused) resume $resume_status, read [$seen], diff [$changes]" \
+    fail daemon-pause-workspace "id [$id] pause $pause_status (VMMs before: $vmm_running, while paused: $vmm_while_paused) resume $resume_status, read [$seen], diff [$changes]" \
         /tmp/bhd-create.err /tmp/bhd.out /tmp/bulkheadd.log
 fi
 echo "arm64-smoke: checks done"
