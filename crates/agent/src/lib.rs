@@ -30,6 +30,7 @@ pub mod fsops;
 pub mod ingress;
 pub mod init;
 pub mod log;
+pub mod mountinfo;
 pub mod mounts;
 pub mod pty;
 pub mod reaper;

@@ -37,7 +37,7 @@ use bulkhead_protocol::boot::Share;
 use bulkhead_protocol::{write_frame, Ack, ErrorCode, Frame, SharesRequest, PROTOCOL_VERSION};
 
 use crate::conn::Conn;
-use crate::{log, workspace};
+use crate::{log, mountinfo, workspace};
 
 /// The shares mounted now, in mount order (parents first).
 static MOUNTED: Mutex<Vec<Share>> = Mutex::new(Vec::new());
@@ -80,6 +80,10 @@ pub enum MountError {
     /// Mounting the clone workspace again failed.
     #[error("the clone workspace: {0}")]
     Workspace(String),
+    /// The guest mounted something over, inside or from a share (a bind mount): unmounting the
+    /// share would not end its FUSE session, or would take that mount away.
+    #[error("the guest mounted {0}; unmount it first")]
+    Covered(String),
     /// Processes use files under the shares, which therefore stay mounted.
     #[error("processes use files under the shared directories: {0}; end them first")]
     Busy(String),
@@ -144,12 +148,40 @@ pub fn unmount_all() -> Result<(), MountError> {
     if !users.is_empty() {
         return Err(MountError::Busy(users.join(", ")));
     }
+    let mut ours: Vec<mountinfo::Ours> = mounted
+        .iter()
+        .map(|s| mountinfo::Ours {
+            point: &s.guest_dir,
+            fstype: "virtiofs",
+        })
+        .collect();
+    ours.extend(workspace.as_deref().map(|point| mountinfo::Ours {
+        point,
+        fstype: "overlay",
+    }));
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let foreign = mountinfo::foreign(&mountinfo::parse(&table), &ours);
+    if !foreign.is_empty() {
+        return Err(MountError::Covered(foreign.join(", ")));
+    }
     if let Some(path) = workspace {
         workspace::unmount().map_err(|source| MountError::Unmount { path, source })?;
     }
     let mut done: Vec<Share> = Vec::new();
     for share in mounted.iter().rev() {
-        if let Err(source) = unmount(&share.guest_dir) {
+        let unmounted = match unmount(&share.guest_dir) {
+            // Not a mount point: the guest unmounted the share itself (its session ended).
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                log!(
+                    "share {} was not mounted at {}",
+                    share.tag,
+                    share.guest_dir.display()
+                );
+                continue;
+            }
+            other => other,
+        };
+        if let Err(source) = unmounted {
             for undone in done.iter().rev() {
                 let _ = mount_share(undone);
             }

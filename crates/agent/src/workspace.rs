@@ -315,7 +315,11 @@ pub fn unmount() -> io::Result<()> {
     let Some(held) = l.held.as_mut().filter(|h| h.lower.is_some()) else {
         return Ok(());
     };
-    crate::mounts::unmount(&held.spec.target)?;
+    match crate::mounts::unmount(&held.spec.target) {
+        // Not a mount point: the guest unmounted the overlay itself.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+        other => other?,
+    }
     held.lower = None;
     // The descriptor's number may be reused: no change set until the workspace is back.
     l.lower = PathBuf::new();

@@ -314,6 +314,13 @@ vm_test!(
             "p=$(cat /tmp/busy); kill -9 $p; i=0; \
              while [ -e /proc/$p/cwd ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done",
         );
+        let binding = sh(
+            &daemon,
+            &sb.id,
+            "mkdir -p /opt/x && mount --bind /data /opt/x && echo bound",
+        );
+        let bound = rt.block_on(client.pause(&sb.id));
+        sh(&daemon, &sb.id, "umount /opt/x");
         let paused = rt.block_on(client.pause(&sb.id));
         let resumed = rt.block_on(client.resume(&sb.id)).unwrap_or_else(|e| {
             panic!(
@@ -342,6 +349,18 @@ vm_test!(
                 assert!(message.contains("(sleep)"), "{message}");
             }
             other => panic!("a pause with a process in /workspace: {other:?}"),
+        }
+        assert_eq!(binding, "bound\n");
+        match &bound {
+            Err(bulkhead_client::Error::Api {
+                status,
+                code,
+                message,
+            }) => {
+                assert_eq!((*status, code.as_str()), (409, "busy"), "{message}");
+                assert!(message.contains("/opt/x (a bind mount"), "{message}");
+            }
+            other => panic!("a pause with a bind mount of /data: {other:?}"),
         }
         assert_eq!(
             while_busy, "hi\nREADME\na\n",

@@ -134,11 +134,12 @@ impl Sandbox {
     /// place it may write), from where it is moved into `dir`.
     ///
     /// # Errors
-    /// [`Error::SnapshotRefused`] while a guest process uses a file under a shared directory
-    /// (the sandbox runs on unchanged); [`Error::Snapshot`] when the VMM has no control socket
-    /// (a sandbox adopted from an older bulkhead), the VMM refuses (e.g. an older agent left a
-    /// share mounted) or the files cannot be written; the sandbox keeps running, its shares
-    /// mounted again, when the VMM refused.
+    /// [`Error::SnapshotRefused`] while a guest process uses a file under a shared directory or
+    /// the guest mounted something over, inside or from one, and when the VMM refused (e.g. an
+    /// older agent left a share mounted) and the guest still answers: the sandbox runs on, its
+    /// shares mounted again. [`Error::Snapshot`] when the VMM has no control socket (a sandbox
+    /// adopted from an older bulkhead), cannot be reached, or the guest no longer answers after
+    /// a refusal, or the files cannot be written.
     pub fn snapshot_into(&mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
         let runtime = self.dir.clone().unwrap_or_default();
         let socket = runtime.join(API_SOCKET);
@@ -165,20 +166,25 @@ impl Sandbox {
             }
         };
         let unmounted = self.unmount_shares()?;
-        let answer = control::send(&socket, &request)
-            .map_err(refused)
-            .and_then(|answer| match answer.ok {
-                true => Ok(answer),
-                false => Err(refused(answer.error.unwrap_or_default())),
-            });
-        if let Err(e) = answer {
-            if unmounted {
-                // The VMM refused and the guest goes on: its directories come back.
-                if let Err(remount) = self.client().set_shares_mounted(true) {
-                    tracing::error!("cannot mount the guest's shares again: {remount}");
-                }
+        let answer = control::send(&socket, &request).map_err(refused)?;
+        if !answer.ok {
+            // The VMM saved nothing and resumed the guest: its directories come back (with
+            // nothing unmounted the request changes nothing), and an agent that answers shows
+            // that the sandbox runs on.
+            let reason = answer.error.unwrap_or_default();
+            if jailed {
+                let _ = fs::remove_dir_all(&target);
             }
-            return Err(e);
+            if !unmounted {
+                tracing::debug!("the VMM refused the snapshot with no share unmounted");
+            }
+            return Err(match self.client().set_shares_mounted(true) {
+                Ok(()) | Err(ClientError::Agent(_)) => Error::SnapshotRefused(reason),
+                Err(e) => {
+                    tracing::error!("the guest does not answer after a refused snapshot: {e}");
+                    refused(reason)
+                }
+            });
         }
         if jailed {
             files::move_snapshot(&target, dir)?;
