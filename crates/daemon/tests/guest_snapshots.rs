@@ -339,29 +339,9 @@ vm_test!(
         rt.block_on(client.delete(&sb.id)).unwrap();
 
         // Assert
-        match &busy {
-            Err(bulkhead_client::Error::Api {
-                status,
-                code,
-                message,
-            }) => {
-                assert_eq!((*status, code.as_str()), (409, "busy"), "{message}");
-                assert!(message.contains("(sleep)"), "{message}");
-            }
-            other => panic!("a pause with a process in /workspace: {other:?}"),
-        }
+        assert_busy(&busy, "(sleep)");
         assert_eq!(binding, "bound\n");
-        match &bound {
-            Err(bulkhead_client::Error::Api {
-                status,
-                code,
-                message,
-            }) => {
-                assert_eq!((*status, code.as_str()), (409, "busy"), "{message}");
-                assert!(message.contains("/opt/x (a bind mount"), "{message}");
-            }
-            other => panic!("a pause with a bind mount of /data: {other:?}"),
-        }
+        assert_busy(&bound, "/opt/x (a bind mount");
         assert_eq!(
             while_busy, "hi\nREADME\na\n",
             "the refused pause changed the guest"
@@ -387,3 +367,18 @@ vm_test!(
         );
     }
 );
+
+/// `result` is a 409 `busy` whose message names `what`.
+fn assert_busy(result: &Result<bulkhead_client::SandboxInfo, bulkhead_client::Error>, what: &str) {
+    match result {
+        Err(bulkhead_client::Error::Api {
+            status,
+            code,
+            message,
+        }) => {
+            assert_eq!((*status, code.as_str()), (409, "busy"), "{message}");
+            assert!(message.contains(what), "{message}");
+        }
+        other => panic!("a pause that should be refused for {what}: {other:?}"),
+    }
+}
