@@ -139,15 +139,6 @@ pub fn serve(mut conn: Conn, req: &SharesRequest) {
 pub fn unmount_all() -> Result<(), MountError> {
     let mut mounted = lock(&MOUNTED);
     let workspace = workspace::mounted_target();
-    let targets: Vec<&Path> = mounted
-        .iter()
-        .map(|s| s.guest_dir.as_path())
-        .chain(workspace.as_deref())
-        .collect();
-    let users = users_under(Path::new("/proc"), &targets, std::process::id());
-    if !users.is_empty() {
-        return Err(MountError::Busy(users.join(", ")));
-    }
     let mut ours: Vec<mountinfo::Ours> = mounted
         .iter()
         .map(|s| mountinfo::Ours {
@@ -159,6 +150,11 @@ pub fn unmount_all() -> Result<(), MountError> {
         point,
         fstype: "overlay",
     }));
+    let targets: Vec<&Path> = ours.iter().map(|o| o.point).collect();
+    let users = users_under(Path::new("/proc"), &targets, std::process::id());
+    if !users.is_empty() {
+        return Err(MountError::Busy(users.join(", ")));
+    }
     let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let foreign = mountinfo::foreign(&mountinfo::parse(&table), &ours);
     if !foreign.is_empty() {

@@ -188,13 +188,18 @@ fn overlay_mount(spec: &CloneSpec, lower: &Path, layers: &Path) -> Step {
     }
 }
 
-/// The layer directories the change set is computed from.
+/// Where the change set is computed from.
 #[derive(Debug)]
-struct Layers {
-    upper: PathBuf,
-    lower: PathBuf,
-    /// The mounted workspace's descriptors; `None` for [`use_layers`].
-    held: Option<Held>,
+enum Layers {
+    /// Stand-in directories ([`use_layers`]).
+    Given {
+        /// The upper directory.
+        upper: PathBuf,
+        /// The lower directory.
+        lower: PathBuf,
+    },
+    /// The mounted clone workspace's open directories.
+    Mounted(Held),
 }
 
 /// Open directories of a mounted clone workspace, named through `/proc/self/fd`.
@@ -203,9 +208,21 @@ struct Held {
     /// What was mounted (for a mount again after a failed snapshot).
     spec: CloneSpec,
     /// The writable layer's `upper` directory.
-    _upper: File,
+    upper: File,
     /// The lower layer (the share); `None` while unmounted for a snapshot.
     lower: Option<File>,
+}
+
+impl Layers {
+    /// The upper and lower directories; `None` while the workspace is unmounted for a snapshot.
+    fn paths(&self) -> Option<(PathBuf, PathBuf)> {
+        match self {
+            Layers::Given { upper, lower } => Some((upper.clone(), lower.clone())),
+            Layers::Mounted(held) => {
+                (held.lower.as_ref()).map(|lower| (fd_path(&held.upper), fd_path(lower)))
+            }
+        }
+    }
 }
 
 static LAYERS: Mutex<Option<Layers>> = Mutex::new(None);
@@ -231,18 +248,10 @@ fn open(path: PathBuf) -> Result<File, WorkspaceError> {
 /// The first failed mount.
 pub fn mount(spec: &CloneSpec) -> Result<(), WorkspaceError> {
     let mut layers = layers();
-    if let Some(Layers {
-        held: Some(held), ..
-    }) = layers.as_mut()
-    {
+    if let Some(Layers::Mounted(held)) = layers.as_mut() {
         if held.lower.is_none() {
-            let lower = remount(spec)?;
-            let lower_path = fd_path(&lower);
-            held.lower = Some(lower);
+            held.lower = Some(remount(spec)?);
             held.spec = spec.clone();
-            if let Some(l) = layers.as_mut() {
-                l.lower = lower_path;
-            }
             return Ok(());
         }
     }
@@ -252,15 +261,11 @@ pub fn mount(spec: &CloneSpec) -> Result<(), WorkspaceError> {
     }
     let upper = open(staging.join("rw").join(LAYER_DIR).join("upper"))?;
     let lower = open(staging.join("lower"))?;
-    *layers = Some(Layers {
-        upper: fd_path(&upper),
-        lower: fd_path(&lower),
-        held: Some(Held {
-            spec: spec.clone(),
-            _upper: upper,
-            lower: Some(lower),
-        }),
-    });
+    *layers = Some(Layers::Mounted(Held {
+        spec: spec.clone(),
+        upper,
+        lower: Some(lower),
+    }));
     hide_lower(staging);
     Ok(())
 }
@@ -296,9 +301,10 @@ fn remount(spec: &CloneSpec) -> Result<File, WorkspaceError> {
 
 /// Where the mounted clone workspace is, if there is one (none while it is unmounted).
 pub fn mounted_target() -> Option<PathBuf> {
-    let layers = layers();
-    let held = layers.as_ref()?.held.as_ref()?;
-    held.lower.as_ref().map(|_| held.spec.target.clone())
+    match layers().as_ref()? {
+        Layers::Mounted(held) if held.lower.is_some() => Some(held.spec.target.clone()),
+        _ => None,
+    }
 }
 
 /// Unmounts the clone workspace for a snapshot: the overlay, then the lower layer (its last
@@ -309,20 +315,18 @@ pub fn mounted_target() -> Option<PathBuf> {
 /// umount(2)'s, with the workspace still mounted.
 pub fn unmount() -> io::Result<()> {
     let mut layers = layers();
-    let Some(l) = layers.as_mut() else {
+    let Some(Layers::Mounted(held)) = layers.as_mut() else {
         return Ok(());
     };
-    let Some(held) = l.held.as_mut().filter(|h| h.lower.is_some()) else {
+    if held.lower.is_none() {
         return Ok(());
-    };
+    }
     match crate::mounts::unmount(&held.spec.target) {
         // Not a mount point: the guest unmounted the overlay itself.
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
         other => other?,
     }
     held.lower = None;
-    // The descriptor's number may be reused: no change set until the workspace is back.
-    l.lower = PathBuf::new();
     Ok(())
 }
 
@@ -334,8 +338,8 @@ pub fn unmount() -> io::Result<()> {
 pub fn mount_again() -> Result<(), WorkspaceError> {
     let spec = {
         let layers = layers();
-        match layers.as_ref().and_then(|l| l.held.as_ref()) {
-            Some(held) if held.lower.is_none() => held.spec.clone(),
+        match layers.as_ref() {
+            Some(Layers::Mounted(held)) if held.lower.is_none() => held.spec.clone(),
             _ => return Ok(()),
         }
     };
@@ -356,11 +360,7 @@ fn detach(path: &Path) {
 pub fn use_layers(upper: PathBuf, lower: PathBuf) {
     let mut layers = layers();
     if layers.is_none() {
-        *layers = Some(Layers {
-            upper,
-            lower,
-            held: None,
-        });
+        *layers = Some(Layers::Given { upper, lower });
     }
 }
 
@@ -387,15 +387,15 @@ fn stream_changes(conn: &mut Conn, req: &WorkspaceChangesRequest) -> Result<(), 
             ),
         ));
     }
-    let (upper, lower) = layers()
-        .as_ref()
-        .map(|l| (l.upper.clone(), l.lower.clone()))
-        .ok_or_else(|| {
-            ErrorMessage::new(
-                ErrorCode::InvalidRequest,
-                "this sandbox has no clone workspace (start it with --workspace DIR:clone)",
-            )
-        })?;
+    let paths = layers().as_ref().map(Layers::paths).ok_or_else(|| {
+        ErrorMessage::new(
+            ErrorCode::InvalidRequest,
+            "this sandbox has no clone workspace (start it with --workspace DIR:clone)",
+        )
+    })?;
+    let (upper, lower) = paths.ok_or_else(|| {
+        other("the clone workspace is unmounted for a snapshot; ask again once it is back".into())
+    })?;
     let set = changes::compute(&upper, &lower).map_err(|e| other(e.to_string()))?;
     let mut frame = Vec::with_capacity(DATA_CHUNK + 64);
     for change in &set.changes {

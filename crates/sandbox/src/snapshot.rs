@@ -165,7 +165,7 @@ impl Sandbox {
                 false => Error::Snapshot(format!("{reason}; VMM log:\n{log}")),
             }
         };
-        let unmounted = self.unmount_shares()?;
+        self.unmount_shares()?;
         let answer = control::send(&socket, &request).map_err(refused)?;
         if !answer.ok {
             // The VMM saved nothing and resumed the guest: its directories come back (with
@@ -174,9 +174,6 @@ impl Sandbox {
             let reason = answer.error.unwrap_or_default();
             if jailed {
                 let _ = fs::remove_dir_all(&target);
-            }
-            if !unmounted {
-                tracing::debug!("the VMM refused the snapshot with no share unmounted");
             }
             return Err(match self.client().set_shares_mounted(true) {
                 Ok(()) | Err(ClientError::Agent(_)) => Error::SnapshotRefused(reason),
@@ -210,18 +207,18 @@ impl Sandbox {
     }
 
     /// Asks the agent to unmount the guest's virtio-fs shares before a snapshot (a share with a
-    /// live FUSE session cannot be saved); the restore mounts them again. Returns whether it
-    /// did: an agent older than the request has none to unmount, and the VMM's own check
-    /// refuses the snapshot if a share is still mounted.
+    /// live FUSE session cannot be saved); the restore mounts them again. An agent older than
+    /// the request unmounts nothing, and the VMM's own check refuses the snapshot if a share is
+    /// still mounted.
     ///
     /// # Errors
     /// [`Error::SnapshotRefused`] when the agent refuses (a guest process uses a file under a
     /// share: its message names them); [`Error::Snapshot`] when it cannot be reached. Nothing
     /// was unmounted then.
-    fn unmount_shares(&self) -> Result<bool, Error> {
+    fn unmount_shares(&self) -> Result<(), Error> {
         match self.client().set_shares_mounted(false) {
-            Ok(()) => Ok(true),
-            Err(ClientError::Agent(e)) if e.code == ErrorCode::Protocol => Ok(false),
+            Ok(()) => Ok(()),
+            Err(ClientError::Agent(e)) if e.code == ErrorCode::Protocol => Ok(()),
             Err(ClientError::Agent(e)) => Err(Error::SnapshotRefused(e.message)),
             Err(e) => Err(Error::Snapshot(format!(
                 "the guest's shared directories cannot be unmounted for the snapshot: {e}"
