@@ -27,7 +27,6 @@ mod report;
 
 use std::panic::AssertUnwindSafe;
 
-use bulkhead_tests::hostcheck::prepend_to_path;
 use bulkhead_tests::{artifacts, run_here_or_delegate};
 
 use fixture::{Fixture, HostInventory, Sandboxes};
@@ -38,15 +37,13 @@ const TEST_NAME: &str = "escape_suite";
 
 #[test]
 fn escape_suite() {
-    // Prepared outside the test host before delegating: the Debian image and a mkfs.ext4 that
-    // works inside it (for the scratch disk).
+    // Prepared outside the test host before delegating: the Debian image (the test host has its
+    // own mkfs.ext4 for the scratch disk).
     let a = artifacts();
     a.debian_image();
-    let e2fs = a.e2fs_dir();
     let args = ["--exact", TEST_NAME, "--nocapture", "--test-threads=1"];
 
     let stdout = run_here_or_delegate(&args, || {
-        prepend_to_path(&e2fs);
         let outcomes = run_suite();
         report::print(&outcomes);
         let failed: Vec<&str> = outcomes

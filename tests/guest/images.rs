@@ -20,29 +20,18 @@ use bulkhead_tests::{
 };
 use bulkhead_vmm::config::DiskConfig;
 
-/// A guest test that needs the Debian image (and a `mkfs.ext4` for scratch disks inside the test
-/// host): both are prepared here before the body is delegated.
+/// A guest test that needs the Debian image: it is prepared here before the body is delegated
+/// (the test host has its own `mkfs.ext4` for scratch disks).
 macro_rules! image_test {
     (fn $name:ident() $body:block) => {
         #[test]
         fn $name() {
             artifacts().debian_image();
-            let e2fs = artifacts().e2fs_dir();
             let path = concat!(module_path!(), "::", stringify!($name));
             let name = path.split_once("::").map(|(_, rest)| rest).unwrap_or(path);
-            in_vm_host(name, || {
-                use_mkfs_from(&e2fs);
-                $body
-            });
+            in_vm_host(name, || $body);
         }
     };
-}
-
-/// Puts `dir` (holding a `mkfs.ext4` that works in the test host) in front of `PATH`. Inner test
-/// runs are single-threaded (`--test-threads=1`), so no other thread reads the environment.
-fn use_mkfs_from(dir: &Path) {
-    let path = std::env::var("PATH").unwrap_or_default();
-    std::env::set_var("PATH", format!("{}:{path}", dir.display()));
 }
 
 fn config() -> SandboxConfig {

@@ -190,21 +190,6 @@ impl Artifacts {
             })
             .clone()
     }
-
-    /// A directory with a `mkfs.ext4` that runs inside the test host (whose initramfs has only
-    /// busybox): the host's `mke2fs` with its libraries and dynamic loader, behind a wrapper
-    /// script. Prepared outside the test host; put it in front of `PATH` inside.
-    ///
-    /// # Panics
-    /// When the host has no `mke2fs` or copying it fails.
-    pub fn e2fs_dir(&self) -> PathBuf {
-        let dir = target_dir().join("bulkhead-tests/e2fs");
-        if env::var_os(INNER_ENV).is_none() {
-            static DONE: OnceLock<()> = OnceLock::new();
-            DONE.get_or_init(|| copy_mke2fs(&dir));
-        }
-        dir
-    }
 }
 
 fn test_images_root() -> PathBuf {
@@ -238,38 +223,4 @@ fn build_test_image(cli: &Path, agent: &Path, data_dir: &Path) {
             }
         }
     }
-}
-
-fn copy_mke2fs(dir: &Path) {
-    let mke2fs = Path::new("/usr/sbin/mke2fs");
-    require(mke2fs, "apt-get install e2fsprogs");
-    let lib_dir = dir.join("lib");
-    std::fs::create_dir_all(&lib_dir).expect("create the e2fs dir");
-    let ldd = Command::new("ldd").arg(mke2fs).output().expect("run ldd");
-    let mut loader = None;
-    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-        // "libx.so => /lib/.../libx.so (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
-        let Some(path) = line.split_whitespace().find(|w| w.starts_with('/')) else {
-            continue;
-        };
-        let path = Path::new(path);
-        let name = path.file_name().expect("library file name");
-        std::fs::copy(path, lib_dir.join(name)).expect("copy a library of mke2fs");
-        if line.trim_start().starts_with('/') {
-            loader = Some(lib_dir.join(name));
-        }
-    }
-    let loader = loader.expect("ldd names mke2fs's dynamic loader");
-    std::fs::copy(mke2fs, dir.join("mke2fs")).expect("copy mke2fs");
-    let _ = std::fs::copy("/etc/mke2fs.conf", dir.join("mke2fs.conf"));
-    let wrapper = format!(
-        "#!/bin/sh\nMKE2FS_CONFIG='{d}/mke2fs.conf' exec '{}' --library-path '{}' '{d}/mke2fs' \"$@\"\n",
-        loader.display(),
-        lib_dir.display(),
-        d = dir.display()
-    );
-    let script = dir.join("mkfs.ext4");
-    std::fs::write(&script, wrapper).expect("write the mkfs.ext4 wrapper");
-    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod the mkfs.ext4 wrapper");
 }

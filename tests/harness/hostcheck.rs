@@ -105,15 +105,6 @@ pub fn cgroup_dirs(depth: usize) -> BTreeSet<PathBuf> {
     out
 }
 
-/// Puts `dir` in front of this process's `PATH` (e.g. the `mkfs.ext4` of
-/// [`Artifacts::e2fs_dir`](crate::Artifacts::e2fs_dir) inside the test host, for scratch disks).
-/// Call it only while no other thread reads the environment (inner test runs are
-/// single-threaded, `--test-threads=1`).
-pub fn prepend_to_path(dir: &Path) {
-    let path = std::env::var("PATH").unwrap_or_default();
-    std::env::set_var("PATH", format!("{}:{path}", dir.display()));
-}
-
 /// Whether process `pid` exists and is not a zombie (an exited child not yet reaped).
 pub fn process_running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|text| {

@@ -378,14 +378,10 @@ fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pa
     let _serial = serial();
     // Prepared here: inside the test host only the paths are computed.
     let rootfs = bulkhead_tests::artifacts().debian_image();
-    let e2fs = bulkhead_tests::artifacts().e2fs_dir();
     bulkhead_tests::in_vm_host(
         "a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pause_and_delete_removes_it",
         || {
-            // Arrange: the daemon formats scratch disks with the `mkfs.ext4` that runs in the
-            // test host (its initramfs has none); inner runs are single-threaded.
-            let path = std::env::var("PATH").unwrap_or_default();
-            std::env::set_var("PATH", format!("{}:{path}", e2fs.display()));
+            // Arrange (the daemon formats scratch disks with the test host's `mkfs.ext4`)
             let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
             let images = image_dir.parent().expect("<images>");
             let name = image_dir.file_name().unwrap().to_str().unwrap();
