@@ -15,7 +15,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
-use common::real::{http_server, multi_rt, real_daemon, serial, small, vm_logs};
+use common::real::{create, http_server, multi_rt, real_daemon, serial, small, vm_logs};
 use common::{cgroup_file, rt, wait_until, TestDaemon};
 
 /// Sandboxes booted at once by the concurrency test (the acceptance number).
@@ -485,9 +485,7 @@ vm_test!(
         let daemon = real_daemon("", &[]);
         let client = daemon.client();
         let rt = rt();
-        let sb = rt
-            .block_on(client.create(&small(128)))
-            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let sb = create(&daemon, &small(128));
 
         // Act
         let run = std::process::Command::new(&a.cli)
@@ -532,9 +530,7 @@ vm_test!(
             network: Some(server.network()),
             ..small(128)
         };
-        let sb = rt
-            .block_on(client.create(&request))
-            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let sb = create(&daemon, &request);
         let script = format!(
             "wget -q -O - http://127.0.0.1:{port}/; echo; wget -q -O - http://127.0.0.1:1/ 2>&1"
         );
@@ -582,9 +578,7 @@ vm_test!(
         // Arrange: 200 MiB in a file (far beyond a request body), and its digest here.
         let daemon = real_daemon("", &[]);
         let rt = rt();
-        let sb = rt
-            .block_on(daemon.client().create(&small(256)))
-            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let sb = create(&daemon, &small(256));
         let dir = tempfile::tempdir().unwrap();
         let input = dir.path().join("input");
         let block: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 13 % 251) as u8).collect();

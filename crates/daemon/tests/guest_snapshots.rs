@@ -8,7 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::SandboxState;
-use common::real::{http_server, pool_ready, real_daemon, real_pool_daemon, sh, small, vm_logs};
+use common::real::{
+    create, http_server, pool_ready, real_daemon, real_pool_daemon, sh, small, vm_logs,
+};
 use common::{rt, wait_until};
 
 vm_test!(
@@ -121,9 +123,7 @@ vm_test!(
         let seen = sh(&daemon, &pooled.id, "cat /tmp/x; hostname; echo $GREETING");
         let refilled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
         rt.block_on(client.delete(&pooled.id)).unwrap();
-        let with_network = rt
-            .block_on(client.create(&networked))
-            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let with_network = create(&daemon, &networked);
         let fetched = sh(&daemon, &with_network.id, &fetch);
         let log = rt.block_on(client.egress_log(&with_network.id)).unwrap();
         rt.block_on(client.delete(&with_network.id)).unwrap();
@@ -228,9 +228,7 @@ fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
                 image: Some(name.to_owned()),
                 ..small(256)
             };
-            let sb = rt
-                .block_on(client.create(&spec))
-                .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+            let sb = create(&daemon, &spec);
             sh(
                 &daemon,
                 &sb.id,
@@ -294,9 +292,7 @@ vm_test!(
             }],
             ..small(128)
         };
-        let sb = rt
-            .block_on(client.create(&request))
-            .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())));
+        let sb = create(&daemon, &request);
         sh(
             &daemon,
             &sb.id,

@@ -75,6 +75,12 @@ pub fn multi_rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// Creates `request` on `daemon`, with the VMs' logs on failure.
+pub fn create(daemon: &TestDaemon, request: &CreateSandbox) -> bulkhead_client::SandboxInfo {
+    rt().block_on(daemon.client().create(request))
+        .unwrap_or_else(|e| panic!("create: {e}\n{}", vm_logs(&daemon.vms_dir())))
+}
+
 /// The output of `sh -c script` in sandbox `id`, with the daemon's logs on failure.
 pub fn sh(daemon: &TestDaemon, id: &str, script: &str) -> String {
     let out = rt()
