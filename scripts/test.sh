@@ -107,6 +107,10 @@ summary() {
         /^guest boots: / {
             boots += $3
             if (match($0, /\([0-9]+ crashed\)/)) crashed += substr($0, RSTART + 1, RLENGTH - 10) + 0
+            if (match($0, /longest heartbeat gap [0-9.]+ s/)) {
+                gap = substr($0, RSTART + 22, RLENGTH - 24) + 0
+                if (gap > longest) longest = gap
+            }
         }
         /^RETRY: / { name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1 }
         /^RETRY: a nested guest crashed/ { crash_retry++ }
@@ -114,6 +118,7 @@ summary() {
         /^test .* \.\.\. ok$/ { passed[$2] = 1 }
         END {
             printf "  guests booted: %d; guests that crashed or showed a kernel panic: %d\n", boots, crashed
+            printf "  longest heartbeat gap of a live test host: %.1f s (one comes every 10 s)\n", longest
             printf "  retries: %d after a guest crash, %d after a hung test, %d after a dead test host\n", crash_retry, hang_retry, host_retry
             n = 0
             for (t in retried) if (t in passed) { printf "  passed only on retry: %s\n", t; n++ }

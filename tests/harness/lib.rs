@@ -144,9 +144,12 @@ fn report_guest_boots(args: &[&str], stdout: &str) {
         0 => String::new(),
         n => format!(" ({n} crashed)"),
     };
+    let silence_ms = LONGEST_SILENCE_MS.load(std::sync::atomic::Ordering::Relaxed);
     let line = format!(
-        "guest boots: {this_run} in {name}{crashes}; {total} so far in test host #{}\n",
-        TEST_HOSTS_STARTED.load(std::sync::atomic::Ordering::Relaxed)
+        "guest boots: {this_run} in {name}{crashes}; {total} so far in test host #{}; \
+         longest heartbeat gap {:.1} s\n",
+        TEST_HOSTS_STARTED.load(std::sync::atomic::Ordering::Relaxed),
+        silence_ms as f64 / 1000.0
     );
     log_uncaptured(&line);
 }
@@ -157,6 +160,10 @@ fn log_uncaptured(text: &str) {
     use std::io::Write;
     let _ = std::io::stderr().write_all(text.as_bytes());
 }
+
+/// The longest heartbeat gap of any live test host of this process so far, ms
+/// ([`TestHost::longest_silence`]): how close a healthy test host came to being declared frozen.
+static LONGEST_SILENCE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Test hosts booted by this process (a dead one is replaced by a new one).
 static TEST_HOSTS_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -221,7 +228,10 @@ fn run_in_test_host(script: &str, args: &[&str]) -> Result<CommandOutput, TestHo
     let mut host = test_host(None);
     let mut retries = 0;
     loop {
-        match host.run(script, INNER_TIMEOUT) {
+        let result = host.run(script, INNER_TIMEOUT);
+        let silence = u64::try_from(host.longest_silence().as_millis()).unwrap_or(u64::MAX);
+        LONGEST_SILENCE_MS.fetch_max(silence, std::sync::atomic::Ordering::Relaxed);
+        match result {
             Err(e) if retry_allowed(&e, retries) => {
                 retries += 1;
                 log_uncaptured(&format!(

@@ -4,6 +4,7 @@ use std::fs;
 use std::io::{self, Write};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -215,6 +216,8 @@ pub struct TestHost {
     failed_boots: Vec<String>,
     prepared: Prepared,
     run_dir: tempfile::TempDir,
+    /// Longest wait for a heartbeat (or a command's end) seen so far, ms.
+    longest_silence_ms: AtomicU64,
 }
 
 // Compile-time check: a TestHost can be shared between threads and live in a `static`.
@@ -250,6 +253,7 @@ impl TestHost {
                         failed_boots,
                         prepared,
                         run_dir,
+                        longest_silence_ms: AtomicU64::new(0),
                     })
                 }
                 Err(e @ (Error::BootTimeout { .. } | Error::QemuExited { .. }))
@@ -377,6 +381,14 @@ impl TestHost {
         self.boot_time
     }
 
+    /// The longest time this test host has gone without a heartbeat while a command ran (from the
+    /// command's start or the last heartbeat to the next heartbeat or the command's end). A healthy
+    /// test host stays near [`protocol::HEARTBEAT_SECS`]; this is the evidence for
+    /// [`SILENCE_LIMIT`], the silence after which it is declared frozen.
+    pub fn longest_silence(&self) -> Duration {
+        Duration::from_millis(self.longest_silence_ms.load(Ordering::Relaxed))
+    }
+
     /// QEMU's process id.
     pub fn qemu_pid(&self) -> i32 {
         self.qemu_pid
@@ -441,6 +453,12 @@ impl TestHost {
         Ok((status, timed_out))
     }
 
+    /// Records a silence that ended with a heartbeat or the command's end.
+    fn note_silence(&self, silence: Duration) {
+        let ms = u64::try_from(silence.as_millis()).unwrap_or(u64::MAX);
+        self.longest_silence_ms.fetch_max(ms, Ordering::Relaxed);
+    }
+
     /// Sends `run` and waits for the matching `done`, pumping output when streaming.
     fn await_done(
         &self,
@@ -463,8 +481,14 @@ impl TestHost {
             }
             let msg = inner.channel.recv(wake);
             match msg.map_err(|e| channel_failure(&inner.qemu, run_dir, e))? {
-                Some(GuestMsg::Done { id: got, status }) if got == id => return Ok(status),
-                Some(GuestMsg::Alive { id: got }) if got == id => heard = Instant::now(),
+                Some(GuestMsg::Done { id: got, status }) if got == id => {
+                    self.note_silence(heard.elapsed());
+                    return Ok(status);
+                }
+                Some(GuestMsg::Alive { id: got }) if got == id => {
+                    self.note_silence(heard.elapsed());
+                    heard = Instant::now();
+                }
                 Some(other) => {
                     let line = format!("{other:?} while waiting for command {id}");
                     let garbled = ChannelError::Protocol(protocol::ProtocolError::Garbled(line));
