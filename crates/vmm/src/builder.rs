@@ -189,6 +189,8 @@ pub(crate) struct VmParts {
     mmio: Bus,
     pub(crate) devices: MmioDeviceManager,
     pub(crate) slots: Vec<MmioSlot>,
+    /// The virtio-fs devices, in registration order (for [`Vmm::attach_share`]).
+    shares: Vec<Arc<Mutex<Fs>>>,
     pub(crate) timeline: BootTimeline,
 }
 
@@ -230,9 +232,11 @@ impl VmParts {
         for disk in &config.disks {
             virtio.attach(Block::new(block_config(disk))?)?;
         }
-        for share in &config.shares {
-            virtio.attach(Fs::new(fs_config(share))?)?;
-        }
+        let shares = config
+            .shares
+            .iter()
+            .map(|share| virtio.attach(Fs::new(fs_config(share))?))
+            .collect::<Result<Vec<_>, Error>>()?;
         let VirtioContext {
             mmio,
             devices,
@@ -251,6 +255,7 @@ impl VmParts {
             mmio,
             devices,
             slots,
+            shares,
             timeline,
         })
     }
@@ -281,6 +286,7 @@ impl VmParts {
             event_manager,
             mut mmio,
             devices,
+            shares,
             timeline,
             ..
         } = self;
@@ -319,6 +325,7 @@ impl VmParts {
             timeline,
             event_manager,
             persist,
+            shares,
             control: None,
         })
     }
@@ -409,7 +416,7 @@ struct VirtioContext<'a> {
 impl VirtioContext<'_> {
     /// Places `device` behind a virtio-mmio transport and adds it to the event loop. Devices are
     /// announced to the guest in this order (so the first disk is `/dev/vda`).
-    fn attach<D>(&mut self, device: D) -> Result<(), Error>
+    fn attach<D>(&mut self, device: D) -> Result<Arc<Mutex<D>>, Error>
     where
         D: VirtioDevice + MutEventSubscriber + 'static,
     {
@@ -418,8 +425,8 @@ impl VirtioContext<'_> {
             .devices
             .register(self.vm, self.mem, &mut self.mmio, device.clone())?;
         self.slots.push(slot);
-        self.event_manager.add_subscriber(device);
-        Ok(())
+        self.event_manager.add_subscriber(device.clone());
+        Ok(device)
     }
 }
 

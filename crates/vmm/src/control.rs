@@ -10,14 +10,24 @@
 //! "resume"
 //! {"snapshot":{"dir":"/path","resume":false}}      see `crate::snapshot`; without "resume":true
 //!                                                  the VM stops once the snapshot is written
+//! {"attach_share":{"tag":"mount0","read_only":true,"owner":null}}
+//!                                                  the directory whose descriptor comes with the
+//!                                                  request (SCM_RIGHTS) is served from now on by
+//!                                                  the idle virtio-fs device `tag`
 //! ```
+//!
+//! `attach_share` takes a descriptor, not a path: a jailed VMM sees only its private root, and
+//! the host hands it exactly one directory (bulkhead sends a detached copy of the directory's
+//! mount, `open_tree(2)` with `OPEN_TREE_CLONE`, where it may, so even the directory's parent is
+//! out of reach). The guest sees nothing until its agent mounts the tag.
 //!
 //! The socket file is created mode 0600 (by umask-independent chmod) and removed when the VMM
 //! ends. The event-loop thread reads a request with a 1 s timeout, so a client that connects and
 //! says nothing delays the devices by at most that; the answer is written after the operation.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::fd::AsRawFd;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -26,6 +36,7 @@ use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use serde::{Deserialize, Serialize};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::snapshot::SnapshotRequest;
 
@@ -61,6 +72,23 @@ pub enum Request {
     Resume,
     /// Snapshot the VM (see [`crate::snapshot`]).
     Snapshot(SnapshotRequest),
+    /// Serve the directory sent with the request from an idle virtio-fs device.
+    AttachShare(AttachShare),
+}
+
+/// An [`Request::AttachShare`]: which device, and how the directory is served (as a boot's
+/// `--share` would: see [`crate::config::ShareConfig`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttachShare {
+    /// The virtio-fs device's mount tag; the guest must not have it mounted.
+    pub tag: String,
+    /// Refuse every write-type operation with `EROFS`.
+    pub read_only: bool,
+    /// `uid:gid` the share is served as; `None`: the directory's owner (as root), else the
+    /// VMM's own identity.
+    #[serde(default)]
+    pub owner: Option<(u32, u32)>,
 }
 
 /// The answer to a [`Request`].
@@ -94,6 +122,8 @@ impl Answer {
 pub struct Pending {
     /// The request.
     pub request: Request,
+    /// The descriptor that came with it (SCM_RIGHTS), if any.
+    pub file: Option<File>,
     stream: UnixStream,
 }
 
@@ -165,13 +195,19 @@ impl ControlSocket {
 
     fn read_request(&mut self, stream: UnixStream) {
         match parse_request(&stream) {
-            Ok(request) => self
-                .inbox
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(Pending { request, stream }),
+            Ok((request, file)) => {
+                self.inbox
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Pending {
+                        request,
+                        file,
+                        stream,
+                    })
+            }
             Err(e) => Pending {
                 request: Request::Resume,
+                file: None,
                 stream,
             }
             .answer(&Answer::of(Err(e))),
@@ -179,22 +215,32 @@ impl ControlSocket {
     }
 }
 
-/// Reads and parses one request line from `stream`.
-fn parse_request(stream: &UnixStream) -> Result<Request, String> {
+/// Reads and parses one request line from `stream`, with the descriptor sent with its first
+/// bytes, if any (a descriptor sent later is closed).
+fn parse_request(stream: &UnixStream) -> Result<(Request, Option<File>), String> {
     stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_read_timeout(Some(READ_TIMEOUT)))
         .map_err(|e| format!("cannot configure the connection: {e}"))?;
-    let mut line = String::new();
-    BufReader::new(std::io::Read::take(stream, MAX_REQUEST_BYTES))
-        .read_line(&mut line)
+    let mut first = [0u8; 4096];
+    let (len, file) = stream
+        .recv_with_fd(&mut first)
         .map_err(|e| format!("cannot read the request: {e}"))?;
-    serde_json::from_str(line.trim()).map_err(|e| {
+    let mut line = first[..len].to_vec();
+    if len > 0 && !line.contains(&b'\n') {
+        let rest = MAX_REQUEST_BYTES.saturating_sub(len as u64);
+        BufReader::new(stream.take(rest))
+            .read_until(b'\n', &mut line)
+            .map_err(|e| format!("cannot read the request: {e}"))?;
+    }
+    let line = String::from_utf8_lossy(&line);
+    let request = serde_json::from_str(line.trim()).map_err(|e| {
         format!(
-            "bad request {:?}: {e}; expected \"pause\", \"resume\" or {{\"snapshot\":{{\"dir\":\"...\"}}}}",
+            "bad request {:?}: {e}; expected \"pause\", \"resume\", {{\"snapshot\":{{\"dir\":\"...\"}}}} or {{\"attach_share\":{{...}}}}",
             line.trim()
         )
-    })
+    })?;
+    Ok((request, file))
 }
 
 impl Drop for ControlSocket {
@@ -223,11 +269,34 @@ impl MutEventSubscriber for ControlSocket {
 /// # Errors
 /// The connection or parse error, as text.
 pub fn send(path: &Path, request: &Request) -> Result<Answer, String> {
+    send_with(path, request, None)
+}
+
+/// Like [`send`], with `fd` passed along (SCM_RIGHTS): the directory of a
+/// [`Request::AttachShare`].
+///
+/// # Errors
+/// The connection or parse error, as text.
+pub fn send_with_fd(path: &Path, request: &Request, fd: BorrowedFd<'_>) -> Result<Answer, String> {
+    send_with(path, request, Some(fd))
+}
+
+fn send_with(path: &Path, request: &Request, fd: Option<BorrowedFd<'_>>) -> Result<Answer, String> {
     let mut stream = UnixStream::connect(path)
         .map_err(|e| format!("cannot connect to {}: {e}", path.display()))?;
     let mut line = serde_json::to_vec(request).map_err(|e| e.to_string())?;
     line.push(b'\n');
-    stream.write_all(&line).map_err(|e| e.to_string())?;
+    match fd {
+        // One message: the descriptor travels with the first byte, the rest follows if the
+        // kernel took only part of the line.
+        Some(fd) => {
+            let sent = stream
+                .send_with_fd(&line[..], fd.as_raw_fd())
+                .map_err(|e| e.to_string())?;
+            stream.write_all(&line[sent..]).map_err(|e| e.to_string())?;
+        }
+        None => stream.write_all(&line).map_err(|e| e.to_string())?,
+    }
     let mut answer = String::new();
     BufReader::new(stream)
         .read_line(&mut answer)
@@ -252,6 +321,50 @@ mod tests {
             snapshot
         );
         assert!(serde_json::from_str::<Request>(r#"{"snapshot":{"dir":"/s","x":1}}"#).is_err());
+        assert_eq!(
+            serde_json::from_str::<Request>(
+                r#"{"attach_share":{"tag":"mount0","read_only":true}}"#
+            )
+            .unwrap(),
+            Request::AttachShare(AttachShare {
+                tag: "mount0".into(),
+                read_only: true,
+                owner: None,
+            })
+        );
+    }
+
+    #[test]
+    fn a_descriptor_sent_with_a_request_arrives_with_it() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let mut socket = ControlSocket::bind(&path).unwrap();
+        let client = UnixStream::connect(&path).unwrap();
+        let shared = File::open(dir.path()).unwrap();
+        let line = br#"{"attach_share":{"tag":"mount0","read_only":false,"owner":[1,2]}}"#;
+        let mut message = line.to_vec();
+        message.push(b'\n');
+
+        // Act
+        client
+            .send_with_fd(&message[..], shared.as_raw_fd())
+            .unwrap();
+        socket.accept_all();
+
+        // Assert
+        let pending = socket.inbox().lock().unwrap().pop().unwrap();
+        let Request::AttachShare(attach) = &pending.request else {
+            panic!("{:?}", pending.request);
+        };
+        assert_eq!(
+            (attach.tag.as_str(), attach.owner),
+            ("mount0", Some((1, 2)))
+        );
+        let received = pending.file.as_ref().unwrap().metadata().unwrap();
+        let sent = shared.metadata().unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!((received.dev(), received.ino()), (sent.dev(), sent.ino()));
     }
 
     #[test]

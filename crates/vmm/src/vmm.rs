@@ -3,7 +3,9 @@
 //! resume, snapshot; see [`crate::control`]) are carried out on the event-loop thread between
 //! events.
 
+use std::fs::File;
 use std::os::unix::io::AsRawFd;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -14,8 +16,9 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::VmConfig;
-use crate::control::{Answer, ControlSocket, Inbox, Request};
+use crate::control::{Answer, AttachShare, ControlSocket, Inbox, Request};
 use crate::devices::legacy::panic_watch::GuestPanic;
+use crate::devices::virtio::fs::{Fs, ShareFs};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::seccomp::{ThreadFilters, ThreadKind};
 use crate::snapshot;
@@ -106,6 +109,8 @@ pub struct Vmm {
     /// What a snapshot saves beyond the KVM objects: the configuration, the transports, the
     /// legacy devices and the MSRs to save.
     pub(crate) persist: Persist,
+    /// The virtio-fs devices, for [`Request::AttachShare`].
+    pub(crate) shares: Vec<Arc<Mutex<Fs>>>,
     pub(crate) control: Option<Inbox>,
 }
 
@@ -282,44 +287,78 @@ impl Vmm {
             return;
         };
         let pending = std::mem::take(&mut *inbox.lock().unwrap_or_else(|p| p.into_inner()));
-        for request in pending {
-            let result = self.carry_out(&request.request, vcpus);
+        for mut request in pending {
+            let file = request.file.take();
+            let result = self.carry_out(&request.request, file, vcpus);
             if let Err(e) = &result {
                 tracing::warn!("control request {:?} failed: {e}", request.request);
             }
-            request.answer(&Answer::of(result.map_err(|e| e.to_string())));
+            request.answer(&Answer::of(result));
         }
     }
 
+    /// Serves the directory `dir` (received with the request) from the idle virtio-fs device
+    /// `attach.tag`.
+    fn attach_share(&self, attach: &AttachShare, dir: Option<File>) -> Result<(), String> {
+        let dir = dir.ok_or("attach_share needs the directory's descriptor (SCM_RIGHTS)")?;
+        let device = self
+            .shares
+            .iter()
+            .find(|fs| fs.lock().unwrap_or_else(|p| p.into_inner()).tag() == attach.tag)
+            .ok_or_else(|| format!("the VM has no virtio-fs device {:?}", attach.tag))?;
+        let label = PathBuf::from(format!("(attached to {})", attach.tag));
+        let share = ShareFs::from_root(dir, &label, attach.read_only, attach.owner)
+            .map_err(|e| e.to_string())?;
+        device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .attach_share(share)
+            .map_err(|e| e.to_string())?;
+        tracing::info!(tag = %attach.tag, read_only = attach.read_only, "directory attached");
+        Ok(())
+    }
+
+    /// Carries out one request; `file` is the descriptor that came with it.
     fn carry_out(
         &mut self,
         request: &Request,
+        file: Option<File>,
         vcpus: &[VcpuHandle],
-    ) -> Result<(), snapshot::Error> {
-        match request {
+    ) -> Result<(), String> {
+        let result = match request {
             Request::Pause => snapshot::pause_vcpus(vcpus),
             Request::Resume => snapshot::resume_vcpus(vcpus),
-            Request::Snapshot(req) => {
-                snapshot::pause_vcpus(vcpus)?;
-                let sources = snapshot::SaveSources {
-                    vcpus,
-                    msrs: &self.persist.msrs,
-                    vm: &self.vm,
-                    mem: &self.guest_memory,
-                    transports: &self.persist.transports,
-                    legacy: &self.persist.legacy,
-                    config: &self.persist.config,
-                };
-                let saved = snapshot::save(&sources, &req.dir);
-                if req.resume || saved.is_err() {
-                    snapshot::resume_vcpus(vcpus)?;
-                } else {
-                    tracing::info!("snapshot written to {}; stopping the VM", req.dir.display());
-                    self.shared.record_exit(ExitReason::Stopped);
-                }
-                saved
-            }
+            Request::Snapshot(req) => self.snapshot(req, vcpus),
+            Request::AttachShare(attach) => return self.attach_share(attach, file),
+        };
+        result.map_err(|e| e.to_string())
+    }
+
+    /// Pauses the vCPUs, saves the VM to `req.dir`, then resumes them or (without
+    /// `req.resume`) stops the VM.
+    fn snapshot(
+        &mut self,
+        req: &snapshot::SnapshotRequest,
+        vcpus: &[VcpuHandle],
+    ) -> Result<(), snapshot::Error> {
+        snapshot::pause_vcpus(vcpus)?;
+        let sources = snapshot::SaveSources {
+            vcpus,
+            msrs: &self.persist.msrs,
+            vm: &self.vm,
+            mem: &self.guest_memory,
+            transports: &self.persist.transports,
+            legacy: &self.persist.legacy,
+            config: &self.persist.config,
+        };
+        let saved = snapshot::save(&sources, &req.dir);
+        if req.resume || saved.is_err() {
+            snapshot::resume_vcpus(vcpus)?;
+        } else {
+            tracing::info!("snapshot written to {}; stopping the VM", req.dir.display());
+            self.shared.record_exit(ExitReason::Stopped);
         }
+        saved
     }
 }
 

@@ -145,6 +145,9 @@ fn unix_sockets(list: &mut Allowlist) {
         list.allow_if(libc::SYS_sendto, &[Arg::Eq(3, flags as u64), Arg::Null(4)]);
     }
     list.allow(&[libc::SYS_recvfrom]);
+    // The control socket's request, with the directory of an `attach_share` (SCM_RIGHTS;
+    // vmm-sys-util's `recv_with_fd` passes no flags).
+    list.allow_values(libc::SYS_recvmsg, 2, &[0]);
     // Half-closing a connection's Unix socket when the guest or the host stops sending.
     list.allow_values(
         libc::SYS_shutdown,

@@ -147,6 +147,23 @@ impl Fs {
         (uid, gid)
     }
 
+    /// Serves `share` from now on instead of the directory the device was made with: how a
+    /// host directory reaches an idle share slot of a running VM (a warm-pool clone handed
+    /// out with mounts). The guest's driver knows the device by its tag only, so nothing
+    /// changes for it until it mounts the tag.
+    ///
+    /// # Errors
+    /// [`Error::ShareInUse`] while the guest has the device's current share mounted (its node
+    /// IDs and handles name files of that share).
+    pub fn attach_share(&mut self, share: ShareFs) -> Result<(), Error> {
+        if self.fs.session_live() && !self.forget_pending {
+            return Err(Error::ShareInUse(self.tag.clone()));
+        }
+        self.fs = Arc::new(share);
+        self.server = Server::new(self.fs.clone());
+        Ok(())
+    }
+
     /// Whether the driver has activated the device (and not reset it since).
     pub fn is_activated(&self) -> bool {
         self.active.is_some()

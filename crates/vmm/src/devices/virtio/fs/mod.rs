@@ -163,6 +163,9 @@ pub enum Error {
     /// fuse-backend-rs's passthrough file system could not be set up (it needs `/proc/self/fd`).
     #[error("cannot set up the passthrough file system: {0}")]
     Passthrough(std::io::Error),
+    /// A directory cannot be attached to a device whose share the guest has mounted.
+    #[error("virtio-fs share {0} is mounted in the guest; a directory can only be attached to an idle one")]
+    ShareInUse(String),
     /// Creating the device's activation eventfd failed.
     #[error("cannot create the virtio-fs device's eventfd: {0}")]
     EventFd(std::io::Error),

@@ -62,11 +62,28 @@ impl ShareFs {
         read_only: bool,
         owner: Option<(u32, u32)>,
     ) -> Result<ShareFs, Error> {
-        let root = open_dir(shared_dir)?;
+        ShareFs::from_root(open_dir(shared_dir)?, shared_dir, read_only, owner)
+    }
+
+    /// Like [`ShareFs::open`], for a directory already open as `root` (any descriptor of it,
+    /// `O_PATH` included: one received from the host at run time, see
+    /// `crate::control::Request::AttachShare`); `shared_dir` names it in messages.
+    ///
+    /// # Errors
+    /// As [`ShareFs::open`]; [`Error::NotADirectory`] when `root` is no directory.
+    pub fn from_root(
+        root: File,
+        shared_dir: &Path,
+        read_only: bool,
+        owner: Option<(u32, u32)>,
+    ) -> Result<ShareFs, Error> {
         let meta = root.metadata().map_err(|source| Error::OpenDir {
             path: shared_dir.to_owned(),
             source,
         })?;
+        if !meta.is_dir() {
+            return Err(Error::NotADirectory(shared_dir.to_owned()));
+        }
         let process = Identity::process();
         let identity =
             Identity::resolve(owner, (meta.uid(), meta.gid()), process).map_err(|(uid, gid)| {

@@ -12,8 +12,9 @@ use super::harness::{
 };
 use super::{test_owner, FILE_CONTENTS};
 use crate::devices::virtio::fs::request::OUT_HEADER_SIZE;
-use crate::devices::virtio::fs::{HIPRIO_QUEUE, REQUEST_QUEUE};
+use crate::devices::virtio::fs::{Error, ShareFs, HIPRIO_QUEUE, REQUEST_QUEUE};
 use crate::devices::virtio::VirtioDevice;
+use std::path::Path;
 
 #[test]
 fn init_is_answered_with_the_protocol_version() {
@@ -156,4 +157,64 @@ fn copy_file_range_is_not_served() {
     let reply = h.call(Opcode::CopyFileRange, ROOT_ID, &[0; 56], 256);
 
     assert_eq!(reply.header.error, -libc::ENOSYS);
+}
+
+/// A directory holding `name`, given to the test owner, and its `O_PATH` descriptor.
+fn other_dir(name: &str) -> (tempfile::TempDir, std::fs::File) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(name), b"attached").unwrap();
+    super::give_to_owner(dir.path());
+    super::give_to_owner(&dir.path().join(name));
+    let fd = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(dir.path())
+        .unwrap();
+    (dir, fd)
+}
+
+#[test]
+fn a_directory_attached_to_an_unmounted_device_is_what_the_next_mount_sees() {
+    // Arrange: activated, never mounted (no FUSE_INIT), as an idle share slot is.
+    let mut h = Harness::uninitialised(true);
+    let (_other, fd) = other_dir("new-file");
+    let share = ShareFs::from_root(fd, Path::new("(attached)"), false, Some(test_owner())).unwrap();
+
+    // Act
+    h.dev().attach_share(share).unwrap();
+    let init = h.call(Opcode::Init, 0, init_in().as_slice(), 256);
+    let attached = h.lookup(ROOT_ID, "new-file");
+    let old = h.lookup(ROOT_ID, "file");
+
+    // Assert
+    assert_eq!(init.header.error, 0);
+    assert_eq!(attached.header.error, 0);
+    assert_eq!(old.header.error, -libc::ENOENT);
+    assert!(!h.dev().is_read_only());
+}
+
+#[test]
+fn a_directory_cannot_replace_a_mounted_share() {
+    // Arrange: FUSE_INIT done, as a guest that mounted the tag.
+    let h = Harness::new(false);
+    let (_other, fd) = other_dir("new-file");
+    let share = ShareFs::from_root(fd, Path::new("(attached)"), true, Some(test_owner())).unwrap();
+
+    // Act
+    let refused = h.dev().attach_share(share);
+
+    // Assert
+    assert!(matches!(refused, Err(Error::ShareInUse(tag)) if tag == super::harness::TAG));
+    assert!(!h.dev().is_read_only());
+}
+
+#[test]
+fn a_descriptor_of_a_file_is_no_share() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = std::fs::File::create(dir.path().join("f")).unwrap();
+
+    let refused = ShareFs::from_root(file, Path::new("f"), true, Some(test_owner()));
+
+    assert!(matches!(refused, Err(Error::NotADirectory(_))));
 }
