@@ -14,7 +14,9 @@
 //! 2. else, with read-only shares: the owner of the first one not owned by root (the others are
 //!    read with that user's rights);
 //! 3. else — no shares, or only root-owned read-only ones, which are then read with the rights of
-//!    "others" — a fresh id from [`ID_BASE`]`..`[`ID_BASE`]` + `[`ID_COUNT`], picked from the
+//!    "others" — [`SandboxConfig::jail_owner`](crate::SandboxConfig::jail_owner) when it is set
+//!    (a warm pool's clones: see [`Sandbox::attach_shares`](crate::Sandbox::attach_shares)),
+//!    else a fresh id from [`ID_BASE`]`..`[`ID_BASE`]` + `[`ID_COUNT`], picked from the
 //!    runtime directory's inode number, so sandboxes that exist at the same time under one
 //!    runtime parent get different ids (sandboxes under different parents may share one: their
 //!    namespaces and private roots still keep them apart).
@@ -73,6 +75,20 @@ pub enum JailError {
     /// A read-write share is owned by root: the VMM would need root to serve it.
     #[error("the read-write share {} is owned by root; chown it to an unprivileged user or add :ro", .0.display())]
     RootOwned(PathBuf),
+    /// A running VMM cannot serve shares that need another user (see [`identity`]).
+    #[error(
+        "the shares must be served as {}:{}, but the running VMM acts as {}:{}",
+        needed.0, needed.1, running.0, running.1
+    )]
+    Identity {
+        /// The uid/gid the shares need.
+        needed: (u32, u32),
+        /// The uid/gid the VMM runs as.
+        running: (u32, u32),
+    },
+    /// The configured owner of a jailed VMM is root.
+    #[error("a jailed VMM cannot run as uid or gid 0 (jail_owner {}:{})", .0.0, .0.1)]
+    RootJailOwner((u32, u32)),
     /// The runtime directory could not be prepared for the jail.
     #[error("cannot prepare the jail: {what} {}: {source}", path.display())]
     Io {
@@ -131,6 +147,19 @@ pub fn identity(shares: &[ShareOwner], slot: u64) -> Result<(u32, u32), JailErro
     Ok((chosen.0, if chosen.1 == 0 { fresh } else { chosen.1 }))
 }
 
+/// Whether an id was picked from the fresh range ([`fresh_id`]).
+pub fn is_fresh(id: u32) -> bool {
+    (ID_BASE..ID_BASE.saturating_add(ID_COUNT)).contains(&id)
+}
+
+/// Whether a VMM running as `running` serves shares that need `needed` as a VMM started with
+/// them would: the same ids, where any fresh id stands for any other (a fresh id has no files
+/// of its own).
+pub fn same_identity(needed: (u32, u32), running: (u32, u32)) -> bool {
+    let same = |a: u32, b: u32| a == b || (is_fresh(a) && is_fresh(b));
+    same(needed.0, running.0) && same(needed.1, running.1)
+}
+
 /// Environment variable that turns the jail's default off when it is `off` (for debugging).
 pub const JAIL_ENV: &str = "BULKHEAD_JAIL";
 
@@ -162,6 +191,7 @@ impl Jail {
         dir: &Path,
         vm: &VmConfig,
         listener: Option<&Path>,
+        owner: Option<(u32, u32)>,
     ) -> Result<Jail, JailError> {
         let slot = fs::metadata(dir).map_err(io_err("stat", dir))?.ino();
         let owners = vm
@@ -183,7 +213,13 @@ impl Jail {
                 })
             })
             .collect::<Result<Vec<_>, JailError>>()?;
-        let (uid, gid) = identity(&owners, slot)?;
+        let (uid, gid) = match (identity(&owners, slot)?, owner) {
+            (_, Some(owner)) if owner.0 == 0 || owner.1 == 0 => {
+                return Err(JailError::RootJailOwner(owner))
+            }
+            ((uid, _), Some(owner)) if is_fresh(uid) => owner,
+            (chosen, _) => chosen,
+        };
         let root = dir.join(ROOT_DIR);
         fs::create_dir(&root).map_err(io_err("mkdir", &root))?;
         chown(&dir.join(VMM_DIR), Some(uid), Some(gid))?;
@@ -397,6 +433,39 @@ mod tests {
     }
 
     #[test]
+    fn a_running_vmm_serves_shares_of_its_own_ids_and_any_fresh_id_stands_for_another() {
+        assert!(same_identity((1000, 1000), (1000, 1000)));
+        assert!(same_identity(
+            (ID_BASE, ID_BASE),
+            (ID_BASE + 9, ID_BASE + 9)
+        ));
+        assert!(same_identity((1000, ID_BASE), (1000, ID_BASE + 3)));
+        assert!(!same_identity((1000, 1000), (ID_BASE, ID_BASE)));
+        assert!(!same_identity((ID_BASE, ID_BASE), (1000, 1000)));
+        assert!(!same_identity((1000, 1000), (1001, 1000)));
+    }
+
+    #[test]
+    fn a_configured_owner_replaces_only_a_fresh_id_and_never_as_root_needs_root() {
+        // Arrange: chown needs root.
+        crate::testing::require_root();
+        let vm: VmConfig = serde_json::from_str(r#"{"kernel": "/k"}"#).unwrap();
+        let prepared = |owner| {
+            let dir = tempfile::tempdir().unwrap();
+            fs::create_dir(dir.path().join(VMM_DIR)).unwrap();
+            Jail::prepare(dir.path(), &vm, None, owner).map(|j| (j.uid, j.gid))
+        };
+
+        // Act / Assert
+        assert_eq!(prepared(Some((1234, 1235))).unwrap(), (1234, 1235));
+        assert!(is_fresh(prepared(None).unwrap().0));
+        assert!(matches!(
+            prepared(Some((0, 5))),
+            Err(JailError::RootJailOwner((0, 5)))
+        ));
+    }
+
+    #[test]
     fn a_host_port_listener_is_handed_to_the_owner_of_vmm_dir_needs_root() {
         // Arrange: chown needs root.
         crate::testing::require_root();
@@ -426,7 +495,7 @@ mod tests {
         let vm: VmConfig = serde_json::from_str(r#"{"kernel": "/k"}"#).unwrap();
 
         // Act
-        let jail = Jail::prepare(dir.path(), &vm, Some(&listener)).unwrap();
+        let jail = Jail::prepare(dir.path(), &vm, Some(&listener), None).unwrap();
 
         // Assert
         let ino = fs::metadata(dir.path()).unwrap().ino();

@@ -140,6 +140,9 @@ pub enum Error {
     /// A snapshot could not be taken or restored (see [`crate::snapshot`]).
     #[error("snapshot: {0}")]
     Snapshot(String),
+    /// A directory could not be attached to a running sandbox's share slot.
+    #[error("cannot attach a shared directory: {0}")]
+    Attach(String),
     /// A snapshot was not taken and the sandbox runs on unchanged: the guest's shared
     /// directories are in use (the message names the processes).
     #[error("no snapshot now: {0}")]
@@ -224,7 +227,7 @@ impl Sandbox {
         let vm = write_vm_config(config, &disks, &ws, &uds_path, &config_path)?;
         jail::make_vmm_dir(dir.path())?;
         let jail_args = match jail::active(config.jail) {
-            true => Jail::prepare(dir.path(), &vm, Some(&ready_path))?.args(),
+            true => Jail::prepare(dir.path(), &vm, Some(&ready_path), config.jail_owner)?.args(),
             false => Vec::new(),
         };
         // The control socket, for snapshots; in `vmm/`, which a jailed VMM may write.

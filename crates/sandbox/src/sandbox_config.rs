@@ -59,6 +59,11 @@ pub struct SandboxConfig {
     /// default (`BULKHEAD_JAIL=off` turns the default off, for debugging). Without root the VMM
     /// is never jailed.
     pub jail: bool,
+    /// The uid/gid a jailed VMM runs as when its shares leave the choice open (none, or only
+    /// root-owned read-only ones), instead of a fresh id: a warm-pool clone's, so that the
+    /// mounts of the owner it is handed out to can be attached to it later (see
+    /// [`jail`](crate::jail)). Must not be root. `None` (the default): a fresh id.
+    pub jail_owner: Option<(u32, u32)>,
     /// The sandbox's network: its egress proxy's settings (see [`crate::egress`]); no network
     /// (no proxy, no way out of the guest) when `None`.
     pub egress: Option<EgressSettings>,

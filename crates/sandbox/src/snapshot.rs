@@ -53,6 +53,7 @@ use crate::sandbox::{
 use crate::vmm_process::{VmEnd, VmmProcess};
 use crate::workspace;
 
+mod attach;
 mod disks;
 mod files;
 mod slots;
@@ -261,7 +262,7 @@ impl Sandbox {
                     shares: attached.shares.clone(),
                     ..VmConfig::new(dir.join("state"))
                 };
-                Jail::prepare(runtime.path(), &vm, None)?.args()
+                Jail::prepare(runtime.path(), &vm, None, config.jail_owner)?.args()
             }
             false => Vec::new(),
         };

@@ -55,13 +55,19 @@ pub(crate) fn idle_shares(runtime: &Path, slots: u8) -> Result<Vec<ShareConfig>,
     Ok(shares)
 }
 
-/// Makes `runtime/`[`IDLE_DIR`] and returns its resolved path.
+/// Makes `runtime/`[`IDLE_DIR`] (kept when it exists: a running clone's) and returns its
+/// resolved path.
 fn idle_dir(runtime: &Path) -> Result<PathBuf, Error> {
     let dir = runtime.join(IDLE_DIR);
-    fs::create_dir(&dir).map_err(|source| Error::RuntimeDir {
-        path: dir.clone(),
-        source,
-    })?;
+    match fs::create_dir(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists || !dir.is_dir() => {
+            return Err(Error::RuntimeDir {
+                path: dir.clone(),
+                source: e,
+            })
+        }
+        _ => {}
+    }
     Ok(jail::resolved(&dir))
 }
 
@@ -111,6 +117,17 @@ impl ShareSlots {
                 .count(),
             workspace: saved.iter().any(|t| t == WORKSPACE_TAG),
         }
+    }
+
+    /// The virtio-fs tags of these slots, as [`ShareSlots::of_tags`] reads them.
+    pub fn tags(self) -> Vec<String> {
+        let mut tags: Vec<String> = (0..self.mounts)
+            .map(|i| format!("{TAG_PREFIX}{i}"))
+            .collect();
+        if self.workspace {
+            tags.push(WORKSPACE_TAG.to_owned());
+        }
+        tags
     }
 
     /// The share slots of the snapshot in `dir` (from its `state` file).

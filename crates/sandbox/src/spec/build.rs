@@ -280,6 +280,7 @@ pub(crate) fn config_of(
         jail: host.jail,
         egress: None,
         share_slots: 0,
+        jail_owner: None,
         follow_host_mounts: false,
     }
 }
