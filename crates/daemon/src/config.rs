@@ -155,6 +155,13 @@ pub struct PoolConfig {
     pub template: String,
     /// How many idle clones to keep: 1 to [`MAX_POOL_SIZE`], at most `max_sandboxes`.
     pub size: usize,
+    /// `[uid, gid]` the clones' jailed VMMs run as (instead of fresh ids), so that creates
+    /// with mounts or a workspace of that owner can be handed a clone (a jailed VMM serves
+    /// shares as one user, chosen when it starts); not root. Without it, a create with shares
+    /// that a fresh id cannot serve as a boot would (anything but root-owned read-only
+    /// directories) takes the normal restore path. No effect without the jail.
+    #[serde(default)]
+    pub share_owner: Option<(u32, u32)>,
 }
 
 /// Where the value of a configured secret comes from.
@@ -378,6 +385,13 @@ impl Config {
                 "pool.size {} exceeds max_sandboxes {} (pool clones count against it)",
                 pool.size, self.max_sandboxes
             )));
+        }
+        if let Some((uid, gid)) = pool.share_owner {
+            if uid == 0 || gid == 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "pool.share_owner must not be root, not [{uid}, {gid}]"
+                )));
+            }
         }
         if !crate::manager::templates::is_valid_name(&pool.template) {
             return Err(ConfigError::Invalid(format!(

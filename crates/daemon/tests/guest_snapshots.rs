@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use bulkhead_client::SandboxState;
 use common::real::{
-    create, http_server, pool_ready, real_daemon, real_pool_daemon, sh, small, vm_logs,
+    create, http_server, pool_ready, real_daemon, real_pool_daemon, real_pool_daemon_from, sh,
+    small, vm_logs,
 };
 use common::{rt, wait_until};
 
@@ -360,6 +361,95 @@ vm_test!(
         assert_eq!(
             daemon.leftovers(&[sb.vmm_pid.unwrap(), resumed.vmm_pid.unwrap()]),
             Vec::<String>::new()
+        );
+    }
+);
+
+vm_test!(
+    /// A template create with a clone workspace and a read-write mount is handed a pooled
+    /// clone: the pool's clones run as `share_owner` (the mount's owner), the directories are
+    /// attached to the clone's idle share slots (its template is a paused sandbox that had a
+    /// workspace and a mount), the guest reads and writes them, the workspace's diff works and
+    /// the host's workspace stays untouched.
+    fn a_pooled_clone_is_handed_out_with_a_workspace_and_a_mount_attached() {
+        // Arrange: directories under a mount root the VMM may enter; the mounts' owned by an
+        // unprivileged user (a jailed VMM serves a read-write share as its owner).
+        let root = bulkhead_tests::socket_dir();
+        let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+        std::fs::set_permissions(root.path(), mode).unwrap();
+        let dir = |name: &str| root.path().join(name);
+        for name in ["ws0", "data0", "ws", "data"] {
+            std::fs::create_dir(dir(name)).unwrap();
+        }
+        std::fs::write(dir("ws").join("README"), "project\n").unwrap();
+        std::fs::write(dir("data").join("hello"), "hi\n").unwrap();
+        for name in ["data0", "data"] {
+            std::os::unix::fs::chown(dir(name), Some(1000), Some(1000)).unwrap();
+        }
+        let shares = |ws: &str, data: &str| bulkhead_client::CreateSandbox {
+            workspace: Some(bulkhead_client::WorkspaceSpec {
+                path: dir(ws).display().to_string(),
+                mode: bulkhead_client::WorkspaceMode::Clone,
+            }),
+            mounts: vec![bulkhead_client::MountSpec {
+                host: dir(data).display().to_string(),
+                guest: "/data".into(),
+                ro: false,
+            }],
+            ..small(64)
+        };
+        let pool = "[pool]\ntemplate = \"base\"\nsize = 1\nshare_owner = [1000, 1000]\n";
+        let daemon = real_pool_daemon_from(
+            &shares("ws0", "data0"),
+            pool,
+            &["--mount-root", root.path().to_str().unwrap()],
+        );
+        let client = daemon.client();
+        let rt = rt();
+        let filled = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
+        assert!(filled, "{}\n{}", daemon.log(), vm_logs(&daemon.vms_dir()));
+        let request = bulkhead_client::CreateSandbox {
+            template: Some("base".into()),
+            ..shares("ws", "data")
+        };
+
+        // Act
+        let pooled = create(&daemon, &request);
+        let seen = sh(
+            &daemon,
+            &pooled.id,
+            "cat /workspace/README /data/hello; echo new > /workspace/b; echo guest > /data/g; \
+             ls /workspace",
+        );
+        let diff = rt.block_on(client.workspace_diff(&pooled.id));
+        rt.block_on(client.delete(&pooled.id)).unwrap();
+
+        // Assert
+        assert!(
+            daemon
+                .log()
+                .lines()
+                .any(|l| l.contains(&pooled.id) && l.contains("(from the pool)")),
+            "not a hand-out\n{}",
+            daemon.log()
+        );
+        assert_eq!(seen, "project\nhi\nREADME\nb\n");
+        let diff = diff.unwrap_or_else(|e| panic!("diff: {e}"));
+        let changed: Vec<&str> = diff.changes.iter().map(|c| c.path.as_str()).collect();
+        assert_eq!(changed, ["b"]);
+        assert!(
+            !dir("ws").join("b").exists(),
+            "a clone workspace wrote to the host"
+        );
+        let written = dir("data").join("g");
+        assert_eq!(std::fs::read_to_string(&written).unwrap(), "guest\n");
+        let owner = std::fs::metadata(&written).unwrap();
+        assert_eq!(
+            (
+                std::os::unix::fs::MetadataExt::uid(&owner),
+                std::os::unix::fs::MetadataExt::gid(&owner)
+            ),
+            (1000, 1000)
         );
     }
 );

@@ -23,10 +23,20 @@ fn daemon_with_pool(config: &str) -> TestDaemon {
 
 /// [`daemon_with_pool`], with `change` done to the template's directory before the restart.
 fn daemon_with_pool_and(config: &str, change: impl FnOnce(&Path)) -> TestDaemon {
-    let mut daemon = TestDaemon::start();
+    daemon_with_pool_from(TestDaemon::start(), &spec_with_labels(&[]), config, change)
+}
+
+/// `daemon`, with template `base` made of its sandbox `request` (paused), restarted with
+/// `config`; `change` is done to the template's directory before the restart.
+fn daemon_with_pool_from(
+    mut daemon: TestDaemon,
+    request: &CreateSandbox,
+    config: &str,
+    change: impl FnOnce(&Path),
+) -> TestDaemon {
     let client = daemon.client();
     let rt = rt();
-    let sb = rt.block_on(client.create(&spec_with_labels(&[]))).unwrap();
+    let sb = rt.block_on(client.create(request)).unwrap();
     rt.block_on(client.pause(&sb.id)).unwrap();
     let template = daemon.state_dir.join("templates/base");
     std::fs::create_dir_all(&template).unwrap();
@@ -193,6 +203,89 @@ fn creates_the_pool_cannot_serve_boot_or_restore_as_usual() {
     // mount_roots) refuses it; the idle clone stays in the pool.
     assert_eq!(refused.0, 400, "{refused:?}");
     assert_eq!(pool_after_mount.ready, 1);
+}
+
+#[test]
+fn a_create_with_a_mount_gets_a_clone_with_the_directory_attached_if_its_slots_suffice() {
+    // Arrange: template `base` is a paused sandbox that had one mount, so its clones have one
+    // idle share slot; their jailed VMMs run as fresh ids (no `share_owner`), which can serve
+    // root's read-only directories but not a user's read-write one.
+    let root = tempfile::tempdir().unwrap();
+    let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+    std::fs::set_permissions(root.path(), mode).unwrap();
+    let dirs: Vec<PathBuf> = ["template", "a", "b", "users"]
+        .iter()
+        .map(|name| root.path().join(name))
+        .collect();
+    for dir in &dirs {
+        std::fs::create_dir(dir).unwrap();
+    }
+    std::os::unix::fs::chown(&dirs[3], Some(1000), Some(1000)).unwrap();
+    let mount = |dir: &Path, guest: &str| bulkhead_client::MountSpec {
+        host: dir.display().to_string(),
+        guest: guest.into(),
+        ro: true,
+    };
+    let mut template = spec_with_labels(&[]);
+    template.mounts = vec![mount(&dirs[0], "/data")];
+    let daemon = daemon_with_pool_from(
+        TestDaemon::start_with(&["--mount-root", root.path().to_str().unwrap()]),
+        &template,
+        "[pool]\ntemplate = \"base\"\nsize = 1\n",
+        |_| {},
+    );
+    let client = daemon.client();
+    let rt = rt();
+    wait_for_ready(&daemon, 1);
+    let clones = processes_under(&daemon.vms_dir());
+    let mut one = from_template();
+    one.mounts = vec![mount(&dirs[1], "/data")];
+    let mut two = from_template();
+    two.mounts = vec![mount(&dirs[1], "/a"), mount(&dirs[2], "/b")];
+    let mut users = from_template();
+    users.mounts = vec![bulkhead_client::MountSpec {
+        ro: false,
+        ..mount(&dirs[3], "/data")
+    }];
+
+    // Act
+    let too_many = api_error(rt.block_on(client.create(&two)));
+    let pool_after_refusal = pool(&rt, &client);
+    let restored = rt.block_on(client.create(&users)).unwrap();
+    let pool_after_restore = pool(&rt, &client);
+    let handed = rt.block_on(client.create(&one)).unwrap();
+
+    // Assert
+    assert_eq!(too_many.0, 400, "{too_many:?}");
+    assert_eq!(pool_after_refusal.ready, 1, "the clone stayed in the pool");
+    assert!(
+        !clones.contains(&restored.vmm_pid.unwrap()),
+        "a user's read-write mount needs a VMM of that user: a restore of its own"
+    );
+    assert_eq!(pool_after_restore.ready, 1);
+    let vmm = handed.vmm_pid.unwrap();
+    assert!(clones.contains(&vmm), "a hand-out: {vmm} not in {clones:?}");
+    assert_eq!(handed.mounts.len(), 1);
+    let attached = vmm_logs_with(
+        &daemon.vms_dir(),
+        "fake-vmm: attached a directory to mount0",
+    );
+    assert_eq!(attached, 1, "one VMM got the directory");
+}
+
+/// How many `vmm.log` files under `dir` (at any depth) contain `text`.
+fn vmm_logs_with(dir: &Path, text: &str) -> usize {
+    list(dir)
+        .iter()
+        .map(|path| match path.is_dir() {
+            true => vmm_logs_with(path, text),
+            false => {
+                let log = path.file_name().is_some_and(|n| n == "vmm.log")
+                    && std::fs::read_to_string(path).is_ok_and(|t| t.contains(text));
+                usize::from(log)
+            }
+        })
+        .sum()
 }
 
 #[test]

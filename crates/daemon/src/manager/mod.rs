@@ -383,7 +383,10 @@ impl Manager {
         // Run to the end even when the client goes away, so nothing is left half made.
         tokio::spawn(async move {
             if pooled {
-                if let Some(result) = this.hand_out(&spec, recipe.limits, ttl_s).await {
+                if let Some(result) = this
+                    .hand_out(&spec, &recipe.config, recipe.limits, ttl_s)
+                    .await
+                {
                     return result;
                 }
             }

@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use bulkhead_client::{CreateSandbox, PoolStatus, SandboxInfo, SandboxState};
 use bulkhead_sandbox::cgroup::{CgroupSpec, VmLimits};
 use bulkhead_sandbox::egress::EgressSettings;
-use bulkhead_sandbox::{Sandbox, SandboxSpec};
+use bulkhead_sandbox::snapshot::ShareSlots;
+use bulkhead_sandbox::{Sandbox, SandboxConfig, SandboxSpec};
 
 use super::lifecycle::{api_limits, process_exit, teardown};
 use super::templates::{self, Template};
@@ -45,6 +46,8 @@ const HAND_OUT_TIMEOUT: Duration = Duration::from_secs(10);
 pub(super) struct Pool {
     template: Template,
     size: usize,
+    /// `pool.share_owner`: the uid/gid of the clones' jailed VMMs.
+    share_owner: Option<(u32, u32)>,
     state: Mutex<PoolState>,
     /// Wakes the refiller: a clone was taken, a sandbox went away, the daemon stops.
     wake: tokio::sync::Notify,
@@ -75,7 +78,12 @@ impl Pool {
     /// A message naming the template when it does not exist, cannot be read, or is larger than
     /// the daemon allows.
     pub(super) fn new(config: &Config) -> Result<Option<Pool>, String> {
-        let Some(PoolConfig { template, size }) = &config.pool else {
+        let Some(PoolConfig {
+            template,
+            size,
+            share_owner,
+        }) = &config.pool
+        else {
             return Ok(None);
         };
         let invalid = |e: ManagerError| format!("pool.template {template:?}: {e}");
@@ -87,6 +95,7 @@ impl Pool {
         Ok(Some(Pool {
             template: found,
             size: *size,
+            share_owner: *share_owner,
             state: Mutex::new(PoolState::default()),
             wake: tokio::sync::Notify::new(),
             refiller: Mutex::new(None),
@@ -103,16 +112,15 @@ impl Pool {
         state.ready.len() + state.restoring
     }
 
-    /// Whether a pooled clone can serve `request` (already fitted to its template): it names
-    /// the pool's template and asks for nothing a restore must set up (kernel, image, disks,
-    /// shares); such requests take the normal path. A network is given at the hand-out.
+    /// Whether a pooled clone may serve `request` (already fitted to its template): it names
+    /// the pool's template and asks for nothing a restore must set up (kernel, image, disks);
+    /// such requests take the normal path. A network, mounts and a workspace are given at the
+    /// hand-out (the latter when the clone's VMM can serve them: see [`Manager::hand_out`]).
     pub(super) fn serves(&self, request: &CreateSandbox) -> bool {
         request.template.as_deref() == Some(self.template.name.as_str())
             && request.kernel.is_none()
             && request.image.is_none()
             && request.disk_mib.is_none()
-            && request.workspace.is_none()
-            && request.mounts.is_empty()
     }
 
     /// Wakes the refiller.
@@ -251,7 +259,8 @@ impl Manager {
         let id =
             util::new_id().map_err(|e| ManagerError::Internal(format!("no sandbox id: {e}")))?;
         let request = templates::fit(&clone_request(&pool.template.name), &pool.template)?;
-        let (spec, recipe) = plan::plan(config, &request, plan::host_facts(config), &id)?;
+        let (spec, mut recipe) = plan::plan(config, &request, plan::host_facts(config), &id)?;
+        recipe.config.jail_owner = pool.share_owner;
         let cgroup = self.inner.cgroups.as_ref().map(|c| c.spec_for(&id));
         let mut record = Record {
             schema: RECORD_SCHEMA,
@@ -330,12 +339,16 @@ impl Manager {
     }
 
     /// Hands an idle clone out as the sandbox `spec` asks for (a request the pool
-    /// [serves](Pool::serves), planned), with `limits` on its cgroup and a TTL of `ttl_s`.
-    /// None when the pool has no clone ready, or the one taken turned out unusable (it is
-    /// destroyed): the caller then restores as usual.
+    /// [serves](Pool::serves), planned as `config`), with `limits` on its cgroup and a TTL of
+    /// `ttl_s`; `config`'s mounts and workspace are attached to the clone's share slots
+    /// ([`Sandbox::attach_shares`]). None when the pool has no clone ready, when the clone's
+    /// VMM cannot serve those shares (too few slots, another user's: the clone stays in the
+    /// pool), or when the one taken turned out unusable (it is destroyed): the caller then
+    /// restores as usual.
     pub(super) async fn hand_out(
         &self,
         spec: &SandboxSpec,
+        config: &SandboxConfig,
         limits: VmLimits,
         ttl_s: Option<u64>,
     ) -> Option<Result<SandboxInfo, ManagerError>> {
@@ -346,6 +359,11 @@ impl Manager {
             // enters the registry's, so the total never exceeds max_sandboxes.
             let mut entries = self.entries();
             let member = pool.lock().ready.pop_front()?;
+            if let Err(e) = member.sandbox.can_attach(config, pool.template.slots) {
+                tracing::info!("pool: a clone cannot take this create's shares ({e}); restoring");
+                pool.lock().ready.push_front(member);
+                return None;
+            }
             let record = handed_out(&member.record, spec, &limits, ttl_s);
             let entry = Arc::new(Entry {
                 id: record.id.clone(),
@@ -376,7 +394,12 @@ impl Manager {
                 return Some(Err(e));
             }
         };
-        let identity = Identity { hostname, network };
+        let identity = Identity {
+            hostname,
+            network,
+            shares: config.clone(),
+            slots: pool.template.slots,
+        };
         let Member { record, sandbox } = member;
         let prepared = tokio::task::spawn_blocking(move || {
             let mut sandbox = sandbox;
@@ -448,15 +471,19 @@ fn handed_out(clone: &Record, spec: &SandboxSpec, limits: &VmLimits, ttl_s: Opti
     }
 }
 
-/// What a handed-out clone becomes: its hostname and, when its request has one, its network.
+/// What a handed-out clone becomes: its hostname, its network when its request has one, and
+/// the mounts and workspace of `shares` on its share slots `slots`.
 struct Identity {
     hostname: String,
     network: Option<EgressSettings>,
+    shares: SandboxConfig,
+    slots: ShareSlots,
 }
 
 /// Blocking: readies an idle clone for its sandbox: its VM must still run, its cgroup gets
-/// `limits`, its guest the hostname, fresh entropy, the host's clock and, with a network, an
-/// egress proxy of its own (the agent starts its relay when told so).
+/// `limits`, its VMM the shared directories, its guest the hostname, fresh entropy, the
+/// host's clock, the shares to mount and, with a network, an egress proxy of its own (the
+/// agent starts its relay when told so).
 fn prepare(
     sandbox: &mut Sandbox,
     cgroup: Option<&CgroupSpec>,
@@ -472,6 +499,9 @@ fn prepare(
             .map_err(|e| e.to_string())?;
     }
     let mut request = bulkhead_sandbox::snapshot::restored_request(Some(identity.hostname))
+        .map_err(|e| e.to_string())?;
+    request.share_params = sandbox
+        .attach_shares(&identity.shares, identity.slots)
         .map_err(|e| e.to_string())?;
     if let Some(settings) = &identity.network {
         sandbox
@@ -561,7 +591,7 @@ mod tests {
     }
 
     #[test]
-    fn only_template_creates_without_shares_or_images_are_served() {
+    fn only_template_creates_without_images_or_disks_are_served() {
         // Arrange
         let pool = Pool {
             template: Template {
@@ -583,6 +613,7 @@ mod tests {
                 slots: Default::default(),
             },
             size: 1,
+            share_owner: None,
             state: Mutex::new(PoolState::default()),
             wake: tokio::sync::Notify::new(),
             refiller: Mutex::new(None),
@@ -602,12 +633,14 @@ mod tests {
         assert!(with(|r| r.pids_max = Some(40)));
         assert!(with(|r| r.network = Some(Default::default())));
         assert!(!with(|r| r.image = Some("debian".into())));
-        assert!(!with(|r| r.workspace =
+        assert!(!with(|r| r.disk_mib = Some(64)));
+        // Shares are attached at the hand-out when the clone can serve them.
+        assert!(with(|r| r.workspace =
             Some(bulkhead_client::WorkspaceSpec {
                 path: "/w".into(),
                 mode: bulkhead_client::WorkspaceMode::Clone,
             })));
-        assert!(!with(|r| r.mounts = vec![bulkhead_client::MountSpec {
+        assert!(with(|r| r.mounts = vec![bulkhead_client::MountSpec {
             host: "/d".into(),
             guest: "/d".into(),
             ro: true,

@@ -165,9 +165,9 @@ pub fn vm_logs(vms: &Path) -> String {
 /// returns it with its configuration file.
 pub fn real_pool_daemon(size: usize) -> (TestDaemon, PathBuf) {
     let (mut daemon, config) = real_daemon_with_file("", &[]);
+    let sb = create(&daemon, &small(64));
     let client = daemon.client();
     let rt = super::rt();
-    let sb = rt.block_on(client.create(&small(64))).unwrap();
     let wrote =
         rt.block_on(client.exec_collect(&sb.id, &ExecSpec::new(["sh", "-c", "echo 42 > /tmp/x"])));
     assert_eq!(
@@ -176,18 +176,39 @@ pub fn real_pool_daemon(size: usize) -> (TestDaemon, PathBuf) {
         "{}",
         vm_logs(&daemon.vms_dir())
     );
-    rt.block_on(client.pause(&sb.id)).unwrap();
-    let template = daemon.state_dir.join("templates/base");
-    std::fs::create_dir_all(&template).unwrap();
-    for file in super::list(&daemon.state_dir.join("paused").join(&sb.id)) {
-        std::fs::copy(&file, template.join(file.file_name().unwrap())).unwrap();
-    }
-    rt.block_on(client.delete(&sb.id)).unwrap();
-    assert!(daemon.terminate(), "{}", daemon.log());
+    pause_into_template(&mut daemon, &sb.id);
     let pool = format!("[pool]\ntemplate = \"base\"\nsize = {size}\n");
     std::fs::write(&config, real_config(&pool)).unwrap();
     daemon.spawn(&[]);
     (daemon, config)
+}
+
+/// A real daemon (`extra`: more arguments) whose template `base` is a sandbox made as
+/// `request` asks and paused at once (a request with mounts and a workspace gives the template
+/// share slots for as many), restarted with `pool` (a `[pool]` table) as its configuration.
+pub fn real_pool_daemon_from(request: &CreateSandbox, pool: &str, extra: &[&str]) -> TestDaemon {
+    let (mut daemon, config) = real_daemon_with_file("", extra);
+    let sb = create(&daemon, request);
+    pause_into_template(&mut daemon, &sb.id);
+    std::fs::write(&config, real_config(pool)).unwrap();
+    daemon.spawn(&[]);
+    daemon
+}
+
+/// Pauses sandbox `id`, copies its saved VM to the template `base`, deletes it and stops the
+/// daemon.
+fn pause_into_template(daemon: &mut TestDaemon, id: &str) {
+    let client = daemon.client();
+    let rt = super::rt();
+    rt.block_on(client.pause(id))
+        .unwrap_or_else(|e| panic!("pause: {e}\n{}", daemon.log()));
+    let template = daemon.state_dir.join("templates/base");
+    std::fs::create_dir_all(&template).unwrap();
+    for file in super::list(&daemon.state_dir.join("paused").join(id)) {
+        std::fs::copy(&file, template.join(file.file_name().unwrap())).unwrap();
+    }
+    rt.block_on(client.delete(id)).unwrap();
+    assert!(daemon.terminate(), "{}", daemon.log());
 }
 
 /// Whether the daemon's pool has exactly `ready` clones ready and none being restored.
