@@ -71,6 +71,10 @@
 #                            file there, is paused (its share unmounted in the guest, its VMM
 #                            gone) and resumed: the file and the project are back and `bulkhead
 #                            diff` lists the file
+#   daemon-pool-workspace    bulkheadd with a warm pool of one clone (its template a paused
+#                            sandbox that had a clone workspace): a create with another clone
+#                            workspace is handed the clone, the directory attached to its VMM
+#                            while it runs (attach_share) and mounted by its agent
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
 # printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
@@ -236,7 +240,7 @@ HOST_SETUP
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-tty run-10mib run-disk run-virtiofs-read
     run-virtiofs-write run-egress run-publish template-clone clone-distinct clone-clock
-    clone-egress image-template-disk daemon-pause-workspace)
+    clone-egress image-template-disk daemon-pause-workspace daemon-pool-workspace)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -608,6 +612,44 @@ if [ -n "$id" ] && [ "$pause_status" = 0 ] && [ "$vmm_running" -ge 1 ] && [ "$vm
 else
     fail daemon-pause-workspace "id [$id] pause $pause_status (VMMs before: $vmm_running, while paused: $vmm_while_paused) resume $resume_status, read [$seen], diff [$changes]" \
         /tmp/bhd-create.err /tmp/bhd.out /tmp/bulkheadd.log
+fi
+wait "$daemon"
+# The warm pool: template `base` is a paused sandbox that had a clone workspace (so its clones
+# have that share slot); a create with another clone workspace is handed the idle clone, the
+# directory attached to its running VMM.
+mkdir -p /tmp/ws2 /run/bhd/state/templates/base && echo second >/tmp/ws2/README
+start_daemon() {
+    rm -f /run/bhd/d.sock
+    /bin/bulkheadd --socket /run/bhd/d.sock --state-dir /run/bhd/state --mount-root /tmp \
+        --cgroups off --vmm /bin/bulkhead-vmm "$@" >/tmp/bulkheadd-pool.log 2>&1 &
+    daemon=$!
+    i=0
+    while [ ! -S /run/bhd/d.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+}
+start_daemon
+id=$(timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead create --memory 128 --workspace /tmp/ws:clone 2>/tmp/bhd-pool.err)
+/bin/bulkhead pause "$id" >>/tmp/bhd-pool.err 2>&1
+mv /run/bhd/state/paused/"$id"/* /run/bhd/state/templates/base/
+/bin/bulkhead rm "$id" >>/tmp/bhd-pool.err 2>&1
+kill "$daemon"
+wait "$daemon"
+printf '[pool]\ntemplate = "base"\nsize = 1\n' >/run/bhd/pool.toml
+start_daemon --config /run/bhd/pool.toml
+i=0
+until grep -q "a clone of base is ready" /tmp/bulkheadd-pool.log || [ $i -ge $((VMM_TIMEOUT * 2)) ]; do
+    sleep 1
+    i=$((i + 1))
+done
+pooled=$(timeout -s KILL $((VMM_TIMEOUT * 2)) /bin/bulkhead create --template base --workspace /tmp/ws2:clone 2>>/tmp/bhd-pool.err)
+seen=$(/bin/bulkhead exec "$pooled" -- cat /workspace/README 2>&1)
+/bin/bulkhead rm "$pooled" >>/tmp/bhd-pool.err 2>&1
+kill "$daemon"
+if [ -n "$pooled" ] && [ "$seen" = second ] &&
+    grep "$pooled" /tmp/bulkheadd-pool.log | grep -q "(from the pool)"; then
+    ok daemon-pool-workspace "a pooled clone was handed out with /tmp/ws2 attached as its clone workspace"
+else
+    fail daemon-pool-workspace "template sandbox [$id], pooled [$pooled], read [$seen]" \
+        /tmp/bhd-pool.err /tmp/bulkheadd-pool.log
 fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS

@@ -393,3 +393,51 @@ fn template_requests_the_daemon_cannot_honour_are_refused_clearly() {
     assert!(with_mount.2.contains("0 share slots"), "{with_mount:?}");
     assert_eq!(daemon.leftovers(&[]), Vec::<String>::new());
 }
+
+#[test]
+fn an_exec_running_when_its_sandbox_is_paused_ends_with_a_paused_error() {
+    // Arrange: a command that says its PID, then runs on.
+    let daemon = TestDaemon::start();
+    let client = daemon.client();
+    let rt = rt();
+    let created = rt.block_on(client.create(&spec_with_labels(&[]))).unwrap();
+    let marker = daemon.dir.path().join("running");
+    let script = format!("echo $$ > {}; exec sleep 20", marker.display());
+    let exec = {
+        let client = client.clone();
+        let id = created.id.clone();
+        std::thread::spawn(move || {
+            common::rt()
+                .block_on(client.exec_collect(&id, &ExecSpec::new(["sh", "-c", script.as_str()])))
+        })
+    };
+    let started = common::wait_until(std::time::Duration::from_secs(10), || {
+        std::fs::read_to_string(&marker).is_ok_and(|s| s.ends_with('\n'))
+    });
+
+    // Act
+    let paused = rt.block_on(client.pause(&created.id));
+    let ended = exec.join().unwrap();
+
+    // Assert
+    assert!(started, "the command did not start");
+    assert_eq!(paused.unwrap().state, SandboxState::Paused);
+    match ended {
+        Err(bulkhead_client::Error::Api {
+            status,
+            code,
+            message,
+        }) => {
+            assert_eq!((status, code.as_str()), (409, "paused"), "{message}");
+            assert!(
+                message.contains("was paused while the command ran"),
+                "{message}"
+            );
+        }
+        other => panic!("expected a 409 paused, got {other:?}"),
+    }
+    let pid = std::fs::read_to_string(&marker).unwrap();
+    // SAFETY: kill with a PID read back from the test's own command; no pointers.
+    unsafe { libc::kill(pid.trim().parse().unwrap(), libc::SIGKILL) };
+    rt.block_on(client.delete(&created.id)).unwrap();
+}

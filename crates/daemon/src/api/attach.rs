@@ -24,14 +24,14 @@ use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bulkhead_client::{ErrorBody, ExecSpec, ATTACH_PROTOCOL};
-use bulkhead_protocol::client::{ExecEvent, ExecReader, ExecSession, ExecWriter};
+use bulkhead_protocol::client::{ClientError, ExecEvent, ExecReader, ExecSession, ExecWriter};
 use bulkhead_protocol::{ErrorMessage, Frame, FrameDecoder, Started};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use super::error::{ApiError, ApiJson};
-use super::exec::{start, KillOnDrop, Stdin};
+use super::exec::{cut_short, start, KillOnDrop, Stdin};
 use crate::manager::Manager;
 
 /// Frames queued between the agent reader thread and the connection, and between the
@@ -62,9 +62,10 @@ pub async fn exec_attach(
     let on_upgrade = hyper::upgrade::on(&mut request);
     let ApiJson(spec) = ApiJson::<ExecSpec>::from_request(request, &()).await?;
     let session = start(&manager, &id, &spec, Stdin::Streamed).await?;
+    let cut = cut_short(manager.clone(), id.clone());
     tokio::spawn(async move {
         match on_upgrade.await {
-            Ok(upgraded) => relay(TokioIo::new(upgraded), session).await,
+            Ok(upgraded) => relay(TokioIo::new(upgraded), session, cut).await,
             // The session drops here, which kills the command.
             Err(e) => tracing::debug!("exec attach: the upgrade failed: {e}"),
         }
@@ -97,8 +98,12 @@ fn check_upgrade(headers: &HeaderMap) -> Result<(), ApiError> {
 
 /// Moves frames between the caller's connection `io` and the agent until the command's
 /// `Exit` has been delivered or either side is gone.
-async fn relay<S>(io: S, session: ExecSession)
-where
+/// `cut` names the error when the agent's stream fails ([`cut_short`]).
+async fn relay<S>(
+    io: S,
+    session: ExecSession,
+    cut: impl Fn(ClientError) -> ApiError + Send + 'static,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
 {
     let pid = session.pid().unwrap_or(0);
@@ -109,7 +114,7 @@ where
     let (out_tx, mut out_rx) = mpsc::channel::<Frame>(QUEUE_FRAMES);
     let finished = guard.finished.clone();
     std::thread::spawn(move || {
-        pump_output(reader, &out_tx);
+        pump_output(reader, &out_tx, &cut);
         finished.store(true, Ordering::SeqCst);
     });
     let (in_tx, in_rx) = mpsc::channel::<Frame>(QUEUE_FRAMES);
@@ -218,7 +223,11 @@ fn feed_agent(mut in_rx: mpsc::Receiver<Frame>, writer: &ExecWriter) {
 }
 
 /// Thread body: agent events → frames for the caller, until the exit or an error.
-fn pump_output(mut reader: ExecReader, out_tx: &mpsc::Sender<Frame>) {
+fn pump_output(
+    mut reader: ExecReader,
+    out_tx: &mpsc::Sender<Frame>,
+    cut: &dyn Fn(ClientError) -> ApiError,
+) {
     loop {
         let frame = match reader.next_event() {
             Ok(Some(ExecEvent::Stdout(b))) => Frame::Stdout(b),
@@ -226,7 +235,7 @@ fn pump_output(mut reader: ExecReader, out_tx: &mpsc::Sender<Frame>) {
             Ok(Some(ExecEvent::Exit(status))) => Frame::Exit(status),
             Ok(None) => return,
             Err(e) => {
-                let detail = ApiError::from_agent(e).detail();
+                let detail = cut(e).detail();
                 Frame::Error(ErrorMessage::new(
                     bulkhead_protocol::ErrorCode::Other,
                     detail.message,

@@ -16,8 +16,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
-use bulkhead_client::{ErrorBody, ExecLine, ExecResult, ExecSpec, ExitInfo};
-use bulkhead_protocol::client::{ExecEvent, ExecReader, ExecSession, ExecWriter};
+use bulkhead_client::{ErrorBody, ExecLine, ExecResult, ExecSpec, ExitInfo, SandboxState};
+use bulkhead_protocol::client::{ClientError, ExecEvent, ExecReader, ExecSession, ExecWriter};
 use bulkhead_protocol::{ExecRequest, ExitStatus};
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -52,9 +52,10 @@ pub async fn exec_stream(
     let guard = KillOnDrop::new(writer);
     let (tx, rx) = mpsc::channel::<ExecLine>(CHANNEL_LINES);
     let finished = guard.finished.clone();
+    let cut = cut_short(manager.clone(), id.clone());
     std::thread::Builder::new()
         .name("exec-stream".into())
-        .spawn(move || pump(reader, &tx, &finished))
+        .spawn(move || pump(reader, &tx, &finished, &cut))
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     let stream = futures_util::stream::unfold((rx, guard), |(mut rx, guard)| async move {
         let line = rx.recv().await?;
@@ -91,9 +92,13 @@ pub async fn exec_collect(
     let guard = KillOnDrop::new(writer);
     let finished = guard.finished.clone();
     let killer = guard.writer.clone();
-    let result = tokio::task::spawn_blocking(move || collect(reader, limit, &finished, &killer))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let cut = cut_short(manager.clone(), id.clone());
+    let result =
+        tokio::task::spawn_blocking(move || collect(reader, limit, &finished, &killer, &cut))
+            .await
+            .map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            })?;
     drop(guard);
     result.map(Json)
 }
@@ -229,7 +234,36 @@ fn b64(bytes: &[u8]) -> String {
 }
 
 /// Thread body: agent events → NDJSON lines, until the exit, an error or the client leaving.
-fn pump(mut reader: ExecReader, tx: &mpsc::Sender<ExecLine>, finished: &AtomicBool) {
+/// The error for an exec of sandbox `id` whose agent connection failed: a pause stops the VM
+/// under every exec, so while the sandbox is pausing or paused that is what the error says (409
+/// `paused`); anything else is the agent's error ([`ApiError::from_agent`]).
+pub(super) fn cut_short(manager: Manager, id: String) -> impl Fn(ClientError) -> ApiError {
+    move |err| {
+        let state = manager.info(&id).map(|info| (info.state, info.id));
+        match (state, &err) {
+            (Ok((SandboxState::Pausing | SandboxState::Paused, full)), e)
+                if !matches!(e, ClientError::Agent(_)) =>
+            {
+                ApiError::new(
+                    StatusCode::CONFLICT,
+                    "paused",
+                    format!(
+                        "sandbox {full} was paused while the command ran: the pause ended this \
+                         exec's connection ({err})"
+                    ),
+                )
+            }
+            _ => ApiError::from_agent(err),
+        }
+    }
+}
+
+fn pump(
+    mut reader: ExecReader,
+    tx: &mpsc::Sender<ExecLine>,
+    finished: &AtomicBool,
+    cut: &dyn Fn(ClientError) -> ApiError,
+) {
     loop {
         let line = match reader.next_event() {
             Ok(Some(ExecEvent::Stdout(b))) => ExecLine::Stdout(b64(&b)),
@@ -241,7 +275,7 @@ fn pump(mut reader: ExecReader, tx: &mpsc::Sender<ExecLine>, finished: &AtomicBo
             Ok(None) => return,
             Err(e) => {
                 finished.store(true, Ordering::SeqCst);
-                ExecLine::Error(ApiError::from_agent(e).detail())
+                ExecLine::Error(cut(e).detail())
             }
         };
         let last = matches!(line, ExecLine::Exit(_) | ExecLine::Error(_));
@@ -257,12 +291,13 @@ fn collect(
     limit: u64,
     finished: &AtomicBool,
     killer: &ExecWriter,
+    cut: &dyn Fn(ClientError) -> ApiError,
 ) -> Result<ExecResult, ApiError> {
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
     loop {
         let event = reader.next_event().map_err(|e| {
             finished.store(true, Ordering::SeqCst);
-            ApiError::from_agent(e)
+            cut(e)
         })?;
         match event {
             Some(ExecEvent::Stdout(b)) => stdout.extend_from_slice(&b),
@@ -275,11 +310,7 @@ fn collect(
                     exit: exit_info(status),
                 });
             }
-            None => {
-                return Err(ApiError::from_agent(
-                    bulkhead_protocol::client::ClientError::Closed("the exit status"),
-                ))
-            }
+            None => return Err(cut(ClientError::Closed("the exit status"))),
         }
         if (stdout.len() + stderr.len()) as u64 > limit {
             let _ = killer.disconnect();
