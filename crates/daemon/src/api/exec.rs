@@ -78,7 +78,7 @@ pub async fn exec_stream(
         (status = 200, description = "The command ended", body = ExecResult),
         (status = 400, description = "Invalid request, an ambiguous ID prefix, or the agent refused it", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "The sandbox is not running", body = ErrorBody),
+        (status = 409, description = "The sandbox is not running, or was paused while the command ran (`paused`)", body = ErrorBody),
         (status = 413, description = "Output larger than the limit; the command was killed", body = ErrorBody),
         (status = 502, description = "The guest agent cannot be reached or the VM died", body = ErrorBody)))]
 pub async fn exec_collect(
