@@ -58,6 +58,7 @@ mod disks;
 mod files;
 mod slots;
 
+pub use attach::{check_attachable, clone_identity};
 pub use disks::DiskIdentity;
 pub use slots::ShareSlots;
 pub(crate) use slots::{check_boot as check_share_slots, idle_shares};

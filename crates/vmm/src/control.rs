@@ -273,23 +273,39 @@ pub fn send(path: &Path, request: &Request) -> Result<Answer, String> {
 }
 
 /// Like [`send`], with `fd` passed along (SCM_RIGHTS): the directory of a
-/// [`Request::AttachShare`].
+/// [`Request::AttachShare`]; a VMM that takes longer than `timeout` to read the request or to
+/// answer is an error.
 ///
 /// # Errors
-/// The connection or parse error, as text.
-pub fn send_with_fd(path: &Path, request: &Request, fd: BorrowedFd<'_>) -> Result<Answer, String> {
-    send_with(path, request, Some(fd))
+/// The connection, timeout or parse error, as text.
+pub fn send_with_fd(
+    path: &Path,
+    request: &Request,
+    fd: BorrowedFd<'_>,
+    timeout: Duration,
+) -> Result<Answer, String> {
+    send_with(path, request, Some((fd, timeout)))
 }
 
-fn send_with(path: &Path, request: &Request, fd: Option<BorrowedFd<'_>>) -> Result<Answer, String> {
+fn send_with(
+    path: &Path,
+    request: &Request,
+    fd: Option<(BorrowedFd<'_>, Duration)>,
+) -> Result<Answer, String> {
     let mut stream = UnixStream::connect(path)
         .map_err(|e| format!("cannot connect to {}: {e}", path.display()))?;
+    if let Some((_, timeout)) = fd {
+        stream
+            .set_read_timeout(Some(timeout))
+            .and_then(|()| stream.set_write_timeout(Some(timeout)))
+            .map_err(|e| e.to_string())?;
+    }
     let mut line = serde_json::to_vec(request).map_err(|e| e.to_string())?;
     line.push(b'\n');
     match fd {
         // One message: the descriptor travels with the first byte, the rest follows if the
         // kernel took only part of the line.
-        Some(fd) => {
+        Some((fd, _)) => {
             let sent = stream
                 .send_with_fd(&line[..], fd.as_raw_fd())
                 .map_err(|e| e.to_string())?;

@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use bulkhead_client::{CreateSandbox, PoolStatus, SandboxInfo, SandboxState};
 use bulkhead_sandbox::cgroup::{CgroupSpec, VmLimits};
 use bulkhead_sandbox::egress::EgressSettings;
-use bulkhead_sandbox::snapshot::ShareSlots;
+use bulkhead_sandbox::jail;
+use bulkhead_sandbox::snapshot::{check_attachable, clone_identity, ShareSlots};
 use bulkhead_sandbox::{Sandbox, SandboxConfig, SandboxSpec};
 
 use super::lifecycle::{api_limits, process_exit, teardown};
@@ -341,10 +342,10 @@ impl Manager {
     /// Hands an idle clone out as the sandbox `spec` asks for (a request the pool
     /// [serves](Pool::serves), planned as `config`), with `limits` on its cgroup and a TTL of
     /// `ttl_s`; `config`'s mounts and workspace are attached to the clone's share slots
-    /// ([`Sandbox::attach_shares`]). None when the pool has no clone ready, when the clone's
-    /// VMM cannot serve those shares (too few slots, another user's: the clone stays in the
-    /// pool), or when the one taken turned out unusable (it is destroyed): the caller then
-    /// restores as usual.
+    /// ([`Sandbox::attach_shares`]). None when the pool has no clone ready, when its clones
+    /// cannot serve those shares ([`check_attachable`]: too few slots, shares that need a VMM
+    /// of another user; no clone is taken), or when the one taken turned out unusable (it is
+    /// destroyed): the caller then restores as usual.
     pub(super) async fn hand_out(
         &self,
         spec: &SandboxSpec,
@@ -354,16 +355,16 @@ impl Manager {
     ) -> Option<Result<SandboxInfo, ManagerError>> {
         let started = Instant::now();
         let pool = self.inner.pool.as_ref()?;
+        let vmm = jail::active(config.jail).then(|| clone_identity(pool.share_owner));
+        if let Err(e) = check_attachable(config, pool.template.slots, vmm) {
+            tracing::info!("pool: its clones cannot take this create ({e}); restoring");
+            return None;
+        }
         let (entry, member) = {
             // Under the registry's lock: the clone leaves the pool's count as the sandbox
             // enters the registry's, so the total never exceeds max_sandboxes.
             let mut entries = self.entries();
             let member = pool.lock().ready.pop_front()?;
-            if let Err(e) = member.sandbox.can_attach(config, pool.template.slots) {
-                tracing::info!("pool: a clone cannot take this create's shares ({e}); restoring");
-                pool.lock().ready.push_front(member);
-                return None;
-            }
             let record = handed_out(&member.record, spec, &limits, ttl_s);
             let entry = Arc::new(Entry {
                 id: record.id.clone(),

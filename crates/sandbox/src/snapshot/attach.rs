@@ -9,129 +9,167 @@
 //! parameters the agent mounts them from (`RestoredRequest::share_params`, sent with the
 //! clone's new identity).
 //!
-//! The descriptor is a detached copy of the directory's mount where this process may make one
-//! (`open_tree(2)` with `OPEN_TREE_CLONE`, as root): `..` from its root goes nowhere, as in the
-//! jail's bind mounts. Otherwise (no root, an old kernel) it is the directory opened `O_PATH`;
-//! the VMM's file server refuses `..` and multi-component names either way.
+//! For a jailed VMM the descriptor is a detached copy of the directory's mount (`open_tree(2)`
+//! with `OPEN_TREE_CLONE`: `..` from its root goes nowhere), made `nosuid`, `nodev`, `noexec`
+//! and, for a read-only share, read-only (`mount_setattr(2)`), as the jail's bind mounts of a
+//! boot's shares are; where the kernel cannot (before Linux 5.12) the attach fails rather than
+//! hand the VMM a way into the host's tree. Without the jail the VMM sees the host's files
+//! anyway and gets the directory opened `O_PATH`.
 //!
 //! **Who serves them.** A jailed VMM acts as one uid/gid, chosen from its shares when it starts
 //! ([`crate::jail`]); a clone's VMM started with none, so it runs as a fresh id or as the
-//! configured [`SandboxConfig::jail_owner`]. [`Sandbox::can_attach`] refuses shares that would
-//! need another identity (a read-write share of another owner, a read-only one of a user other
-//! than the VMM's): the caller then restores a sandbox of its own instead.
+//! configured [`SandboxConfig::jail_owner`]. A clone takes only shares that need exactly the
+//! identity it runs as ([`check_attachable`]): a clone running as a real user serves that
+//! user's creates and no others (a create without shares needs a fresh id), so no user can
+//! reach, through the VMM it runs as, a sandbox that is not serving its directories. Any other
+//! create restores a sandbox of its own.
 
 use std::ffi::CString;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::time::Duration;
 
 use bulkhead_vmm::config::ShareConfig;
 use bulkhead_vmm::control::{self, AttachShare, Request};
 
-use super::slots::{self, Attached, ShareSlots, IDLE_DIR};
+use super::slots::{self, ShareSlots};
 use crate::jail::{self, JailError, ShareOwner};
 use crate::sandbox::{Error, Sandbox, SandboxConfig, API_SOCKET};
 use crate::workspace;
 
+/// How long the VMM's control socket may take to take one directory.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// `OPEN_TREE_CLONE` of `open_tree(2)` (`<linux/mount.h>`): a detached copy of the mount.
 const OPEN_TREE_CLONE: libc::c_uint = 1;
+/// `MOUNT_ATTR_RDONLY` of `mount_setattr(2)` (`<linux/mount.h>`).
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+/// `MOUNT_ATTR_NOSUID`.
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+/// `MOUNT_ATTR_NODEV`.
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+/// `MOUNT_ATTR_NOEXEC`.
+const MOUNT_ATTR_NOEXEC: u64 = 0x8;
 
-impl Sandbox {
-    /// Whether `config`'s mounts and workspace can be attached to this running sandbox,
-    /// restored from a snapshot with the share slots `slots` and not yet given any: enough
-    /// slots, and (jailed) a VMM that runs as the user they need. Always true without mounts
-    /// and workspace.
-    ///
-    /// # Errors
-    /// [`Error::Snapshot`] for too few share slots; [`Error::Jail`] with
-    /// [`JailError::Identity`] for shares another user must serve; the errors of
-    /// [`workspace::check`] and [`mounts::check`](crate::mounts::check) for unusable
-    /// directories; [`Error::RuntimeDir`] for a sandbox without a runtime directory.
-    pub fn can_attach(&self, config: &SandboxConfig, slots: ShareSlots) -> Result<(), Error> {
-        self.plan_attach(config, slots).map(drop)
-    }
+/// The uid/gid a jailed clone's VMM runs as when `owner` is its
+/// [`SandboxConfig::jail_owner`]: that owner, else (any) fresh id.
+pub fn clone_identity(owner: Option<(u32, u32)>) -> (u32, u32) {
+    owner.unwrap_or((jail::ID_BASE, jail::ID_BASE))
+}
 
-    /// Attaches `config`'s mounts and workspace to this running sandbox (see the module docs)
-    /// and returns the agent's share parameters for them; an empty list when there are none.
-    ///
-    /// # Errors
-    /// Those of [`Sandbox::can_attach`]; [`Error::Attach`] when a directory cannot be opened
-    /// or the VMM refuses it. The sandbox may then have some directories attached and none
-    /// mounted: destroy it.
-    pub fn attach_shares(
-        &mut self,
-        config: &SandboxConfig,
-        slots: ShareSlots,
-    ) -> Result<Vec<String>, Error> {
-        if config.mounts.is_empty() && config.workspace.is_none() {
-            return Ok(Vec::new());
-        }
-        let plan = self.plan_attach(config, slots)?;
-        let runtime = self.runtime()?.to_owned();
-        let socket = runtime.join(API_SOCKET);
-        for share in &plan.given {
-            send_share(&socket, share)?;
-        }
-        workspace::record(&runtime, &plan.ws, None)?;
-        Ok(plan.params)
-    }
-
-    /// The shares `config` attaches to this sandbox's slots, checked.
-    fn plan_attach(&self, config: &SandboxConfig, slots: ShareSlots) -> Result<Plan, Error> {
-        let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
-        if config.mounts.is_empty() && config.workspace.is_none() {
-            return Ok(Plan {
-                given: Vec::new(),
-                params: Vec::new(),
-                ws,
-            });
-        }
-        let runtime = self.runtime()?;
-        let saved = slots.tags();
-        let Attached { shares, params } = slots::attach(config, &ws, &saved, runtime)?;
-        // The slots left idle serve the empty directory they already serve.
-        let idle = jail::resolved(&runtime.join(IDLE_DIR));
-        let given: Vec<ShareConfig> = shares.into_iter().filter(|s| s.path != idle).collect();
-        if jail::active(config.jail) {
-            check_identity(runtime, &given)?;
-        }
-        Ok(Plan { given, params, ws })
-    }
-
-    fn runtime(&self) -> Result<&Path, Error> {
-        self.runtime_path().ok_or_else(|| Error::RuntimeDir {
-            path: Default::default(),
-            source: io::Error::other("the sandbox has no runtime directory"),
-        })
+/// Whether `config`'s mounts and workspace can be attached to a running clone restored from a
+/// snapshot with the share slots `slots` whose VMM runs as `vmm` (`None`: not jailed, it serves
+/// every share as a boot would): enough slots, and (jailed) exactly the identity its shares
+/// need ([`jail::identity`]; no shares need a fresh id). Checked before a clone is taken;
+/// [`Sandbox::attach_shares`] checks again against the clone's VMM itself.
+///
+/// # Errors
+/// [`Error::Snapshot`] for too few share slots; [`Error::Jail`] with
+/// [`JailError::Identity`] for shares another user must serve (or none, for a clone that runs
+/// as a real user); the errors of [`workspace::check`] and
+/// [`mounts::check`](crate::mounts::check) for unusable directories.
+pub fn check_attachable(
+    config: &SandboxConfig,
+    slots: ShareSlots,
+    vmm: Option<(u32, u32)>,
+) -> Result<(), Error> {
+    let wanted = Wanted::of(config, slots)?;
+    match vmm {
+        Some(vmm) => check_identity(&wanted.shares, vmm),
+        None => Ok(()),
     }
 }
 
-/// What [`Sandbox::attach_shares`] attaches.
-struct Plan {
-    /// The directories for the VMM, each with its slot's tag.
-    given: Vec<ShareConfig>,
+/// What a create's mounts and workspace attach.
+struct Wanted {
+    /// The directories for the VMM, each with its slot's tag (resolved paths).
+    shares: Vec<ShareConfig>,
     /// The agent's share parameters.
     params: Vec<String>,
     /// The workspace, for its records.
     ws: workspace::Prepared,
 }
 
-/// Refuses `shares` unless the jailed VMM of the runtime directory `runtime` (it owns `vmm/`)
-/// runs as the identity they need ([`jail::identity`]; any fresh id serves shares that need a
-/// fresh one).
-fn check_identity(runtime: &Path, shares: &[ShareConfig]) -> Result<(), Error> {
-    if shares.is_empty() {
-        return Ok(());
+impl Wanted {
+    /// `config`'s mounts and workspace, checked, and against `slots`.
+    fn of(config: &SandboxConfig, slots: ShareSlots) -> Result<Wanted, Error> {
+        let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
+        let mount_count = config.mounts.len() + usize::from(ws.mount.is_some());
+        slots.check(mount_count, ws.share.is_some())?;
+        if mount_count == 0 && ws.share.is_none() {
+            return Ok(Wanted {
+                shares: Vec::new(),
+                params: Vec::new(),
+                ws,
+            });
+        }
+        let prepared = ws.shares_with(&config.mounts)?;
+        let params = slots::share_params(&ws, prepared.params)?;
+        let shares = prepared
+            .shares
+            .into_iter()
+            .map(|share| ShareConfig {
+                path: jail::resolved(&share.path),
+                ..share
+            })
+            .collect();
+        Ok(Wanted { shares, params, ws })
     }
+}
+
+impl Sandbox {
+    /// Attaches `config`'s mounts and workspace to this running clone, restored from a
+    /// snapshot with the share slots `slots` (see the module docs), and returns the agent's
+    /// share parameters for them; an empty list when there are none.
+    ///
+    /// # Errors
+    /// Those of [`check_attachable`], against the identity the VMM runs as (the owner of the
+    /// runtime directory's `vmm/`) when `config.jail` is active; [`Error::RuntimeDir`] when
+    /// that cannot be read; [`Error::Attach`] when a directory cannot be opened, or the VMM
+    /// refuses it or does not answer within 10 s. The sandbox may then have some directories
+    /// attached and none mounted: destroy it.
+    pub fn attach_shares(
+        &mut self,
+        config: &SandboxConfig,
+        slots: ShareSlots,
+    ) -> Result<Vec<String>, Error> {
+        let runtime = self.runtime_path().ok_or_else(|| Error::RuntimeDir {
+            path: Default::default(),
+            source: io::Error::other("the sandbox has no runtime directory"),
+        })?;
+        let runtime = runtime.to_owned();
+        let jailed = jail::active(config.jail);
+        let wanted = Wanted::of(config, slots)?;
+        if jailed {
+            check_identity(&wanted.shares, vmm_identity(&runtime)?)?;
+        }
+        let socket = runtime.join(API_SOCKET);
+        for share in &wanted.shares {
+            send_share(&socket, share, jailed)?;
+        }
+        workspace::record(&runtime, &wanted.ws, None)?;
+        Ok(wanted.params)
+    }
+}
+
+/// The uid/gid the jailed VMM of the runtime directory `runtime` runs as: the owner of its
+/// `vmm/`.
+fn vmm_identity(runtime: &Path) -> Result<(u32, u32), Error> {
     let vmm_dir = runtime.join(jail::VMM_DIR);
     let meta = std::fs::metadata(&vmm_dir).map_err(|source| Error::RuntimeDir {
         path: vmm_dir.clone(),
         source,
     })?;
-    let running = (meta.uid(), meta.gid());
+    Ok((meta.uid(), meta.gid()))
+}
+
+/// Refuses `shares` unless a VMM running as `running` serves them as one started with them
+/// would ([`jail::identity`], [`jail::same_identity`]).
+fn check_identity(shares: &[ShareConfig], running: (u32, u32)) -> Result<(), Error> {
     let owners = shares
         .iter()
         .map(|share| {
@@ -159,44 +197,74 @@ fn check_identity(runtime: &Path, shares: &[ShareConfig]) -> Result<(), Error> {
     Ok(())
 }
 
-/// Opens `share`'s directory and sends it to the VMM's control socket `socket` for the
-/// virtio-fs device `share.tag`.
-fn send_share(socket: &Path, share: &ShareConfig) -> Result<(), Error> {
+/// Opens `share`'s directory (for a `jailed` VMM: a detached, restricted copy of its mount)
+/// and sends it to the VMM's control socket `socket` for the virtio-fs device `share.tag`.
+fn send_share(socket: &Path, share: &ShareConfig, jailed: bool) -> Result<(), Error> {
     let refused =
         |e: String| Error::Attach(format!("{} ({}): {e}", share.path.display(), share.tag));
-    let dir =
-        open_share(&share.path, share.follow_host_mounts).map_err(|e| refused(e.to_string()))?;
+    let dir = match jailed {
+        true => detached_copy(&share.path, share.read_only),
+        false => open_path(&share.path),
+    }
+    .map_err(|e| refused(e.to_string()))?;
     let request = Request::AttachShare(AttachShare {
         tag: share.tag.clone(),
         read_only: share.read_only,
         owner: share.owner,
     });
-    let answer = control::send_with_fd(socket, &request, dir.as_fd()).map_err(refused)?;
+    let answer =
+        control::send_with_fd(socket, &request, dir.as_fd(), ATTACH_TIMEOUT).map_err(refused)?;
     match answer.ok {
         true => Ok(()),
         false => Err(refused(answer.error.unwrap_or_default())),
     }
 }
 
-/// `path` as a detached copy of its mount (with the mounts below it when `recursive`), or,
-/// where `open_tree(2)` is refused (no root, an old kernel), opened `O_PATH`.
-fn open_share(path: &Path, recursive: bool) -> io::Result<OwnedFd> {
+/// `struct mount_attr` of `mount_setattr(2)` (`<linux/mount.h>`).
+#[repr(C)]
+#[derive(Default)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// `path` as a detached copy of its mount (`open_tree(2)`), made `nosuid`, `nodev`, `noexec`
+/// and, for `read_only`, read-only (`mount_setattr(2)`). Needs `CAP_SYS_ADMIN` and Linux 5.12.
+fn detached_copy(path: &Path, read_only: bool) -> io::Result<OwnedFd> {
     let c_path = CString::new(path.as_os_str().as_bytes())?;
-    let mut flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
-    if recursive {
-        flags |= libc::AT_RECURSIVE as libc::c_uint;
-    }
+    let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
     // SAFETY: open_tree reads the NUL-terminated path and returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c_path.as_ptr(), flags) };
-    if fd >= 0 {
-        // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
-        return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
     }
-    let err = io::Error::last_os_error();
-    match err.raw_os_error() {
-        Some(libc::EPERM | libc::ENOSYS | libc::EINVAL) => open_path(path),
-        _ => Err(err),
+    // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut attr = MountAttr {
+        attr_set: MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        ..MountAttr::default()
+    };
+    if read_only {
+        attr.attr_set |= MOUNT_ATTR_RDONLY;
     }
+    // SAFETY: mount_setattr reads `attr` (its size given) and changes the mount of `tree`,
+    // which the empty path with AT_EMPTY_PATH names.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(tree)
 }
 
 /// `path` opened `O_PATH | O_DIRECTORY`.
@@ -214,27 +282,71 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_share_opens_as_a_descriptor_of_its_directory_with_or_without_root() {
-        // Arrange
+    fn a_detached_copy_is_the_directory_restricted_and_read_only_when_asked_needs_root() {
+        // Arrange: open_tree needs CAP_SYS_ADMIN.
+        crate::testing::require_root();
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("f"), b"x").unwrap();
 
         // Act
-        let fd = open_share(dir.path(), false).unwrap();
+        let ro = File::from(detached_copy(dir.path(), true).unwrap());
+        let rw = File::from(detached_copy(dir.path(), false).unwrap());
 
-        // Assert: the same directory (open_tree's copy keeps the inode).
-        let got = File::from(fd).metadata().unwrap();
-        let want = std::fs::metadata(dir.path()).unwrap();
-        assert!(got.is_dir());
-        assert_eq!(got.ino(), want.ino());
+        // Assert: the same directory, on a mount with the jail's flags.
+        let want = std::fs::metadata(dir.path()).unwrap().ino();
+        assert_eq!(ro.metadata().unwrap().ino(), want);
+        let flags = |f: &File| {
+            // SAFETY: statvfs is plain data; all zeroes is a valid value.
+            let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+            // SAFETY: fstatvfs writes into `st` for a valid descriptor.
+            assert_eq!(unsafe { libc::fstatvfs(f.as_raw_fd(), &mut st) }, 0);
+            st.f_flag
+        };
+        let restricted = libc::ST_NOSUID | libc::ST_NODEV | libc::ST_NOEXEC;
+        assert_eq!(
+            flags(&ro) & (restricted | libc::ST_RDONLY),
+            restricted | libc::ST_RDONLY
+        );
+        assert_eq!(flags(&rw) & (restricted | libc::ST_RDONLY), restricted);
     }
 
     #[test]
     fn a_missing_share_directory_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
 
-        let err = open_share(&dir.path().join("gone"), false).unwrap_err();
+        let copy = detached_copy(&dir.path().join("gone"), false);
+        let plain = open_path(&dir.path().join("gone"));
 
-        assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+        assert!(copy.is_err());
+        assert_eq!(plain.unwrap_err().raw_os_error(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn a_clone_serves_only_creates_whose_shares_need_its_identity() {
+        // Arrange: a root-owned read-only directory (served as "others": any fresh id).
+        let dir = tempfile::tempdir().unwrap();
+        let share = |read_only| ShareConfig {
+            tag: "mount0".into(),
+            path: dir.path().to_owned(),
+            read_only,
+            owner: Some((0, 0)),
+            follow_host_mounts: false,
+        };
+        let fresh = clone_identity(None);
+        let user = clone_identity(Some((1000, 1000)));
+
+        // Act / Assert
+        assert!(check_identity(&[], fresh).is_ok());
+        assert!(check_identity(&[share(true)], fresh).is_ok());
+        assert!(
+            check_identity(&[], user).is_err(),
+            "a clone running as a user is for that user's shares only"
+        );
+        let users = ShareConfig {
+            owner: Some((1000, 1000)),
+            ..share(false)
+        };
+        assert!(check_identity(std::slice::from_ref(&users), user).is_ok());
+        assert!(check_identity(&[users], fresh).is_err());
     }
 }

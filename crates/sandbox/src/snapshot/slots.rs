@@ -55,19 +55,13 @@ pub(crate) fn idle_shares(runtime: &Path, slots: u8) -> Result<Vec<ShareConfig>,
     Ok(shares)
 }
 
-/// Makes `runtime/`[`IDLE_DIR`] (kept when it exists: a running clone's) and returns its
-/// resolved path.
+/// Makes `runtime/`[`IDLE_DIR`] and returns its resolved path.
 fn idle_dir(runtime: &Path) -> Result<PathBuf, Error> {
     let dir = runtime.join(IDLE_DIR);
-    match fs::create_dir(&dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists || !dir.is_dir() => {
-            return Err(Error::RuntimeDir {
-                path: dir.clone(),
-                source: e,
-            })
-        }
-        _ => {}
-    }
+    fs::create_dir(&dir).map_err(|source| Error::RuntimeDir {
+        path: dir.clone(),
+        source,
+    })?;
     Ok(jail::resolved(&dir))
 }
 
@@ -221,14 +215,26 @@ pub(crate) fn attach(
         let dir = idle_dir(runtime)?;
         shares.extend(unused.into_iter().map(|tag| idle(tag.clone(), &dir)));
     }
-    let params = BootParams {
+    let params = share_params(ws, prepared.params)?;
+    Ok(Attached { shares, params })
+}
+
+/// The agent's share parameters (`RestoredRequest::share_params`) for the workspace `ws` and
+/// the mounts `mounts`: the boot parameters a boot with them would have had.
+///
+/// # Errors
+/// [`Error::BootParams`].
+pub(crate) fn share_params(
+    ws: &workspace::Prepared,
+    mounts: Vec<bulkhead_protocol::boot::Share>,
+) -> Result<Vec<String>, Error> {
+    BootParams {
         workspace: ws.param.clone(),
-        mounts: prepared.params,
+        mounts,
         ..BootParams::default()
     }
     .share_params()
-    .map_err(|e| Error::BootParams(e.to_string()))?;
-    Ok(Attached { shares, params })
+    .map_err(|e| Error::BootParams(e.to_string()))
 }
 
 #[cfg(test)]
