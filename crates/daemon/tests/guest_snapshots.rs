@@ -133,10 +133,7 @@ vm_test!(
 
         // Assert
         assert!(
-            daemon
-                .log()
-                .lines()
-                .any(|l| l.contains(&pooled.id) && l.contains("(from the pool)")),
+            handed_out(&daemon, &pooled.id),
             "not a hand-out (create took {create_time:?})\n{}",
             daemon.log()
         );
@@ -147,10 +144,7 @@ vm_test!(
         );
         assert_eq!(with_network.template.as_deref(), Some("base"));
         assert!(
-            daemon
-                .log()
-                .lines()
-                .any(|l| l.contains(&with_network.id) && l.contains("(from the pool)")),
+            handed_out(&daemon, &with_network.id),
             "the networked create was no hand-out\n{}",
             daemon.log()
         );
@@ -426,10 +420,7 @@ vm_test!(
 
         // Assert
         assert!(
-            daemon
-                .log()
-                .lines()
-                .any(|l| l.contains(&pooled.id) && l.contains("(from the pool)")),
+            handed_out(&daemon, &pooled.id),
             "not a hand-out\n{}",
             daemon.log()
         );
@@ -453,6 +444,14 @@ vm_test!(
         );
     }
 );
+
+/// Whether the daemon logged sandbox `id`'s create as a hand-out from its warm pool.
+fn handed_out(daemon: &common::TestDaemon, id: &str) -> bool {
+    daemon
+        .log()
+        .lines()
+        .any(|l| l.contains(id) && l.contains("(from the pool)"))
+}
 
 /// `result` is a 409 `busy` whose message names `what`.
 fn assert_busy(result: &Result<bulkhead_client::SandboxInfo, bulkhead_client::Error>, what: &str) {

@@ -36,7 +36,7 @@ use std::time::Duration;
 use bulkhead_vmm::config::ShareConfig;
 use bulkhead_vmm::control::{self, AttachShare, Request};
 
-use super::slots::{self, ShareSlots};
+use super::slots::{self, Attached, ShareSlots};
 use crate::jail::{self, JailError, ShareOwner};
 use crate::sandbox::{Error, Sandbox, SandboxConfig, API_SOCKET};
 use crate::workspace;
@@ -98,25 +98,7 @@ impl Wanted {
     /// `config`'s mounts and workspace, checked, and against `slots`.
     fn of(config: &SandboxConfig, slots: ShareSlots) -> Result<Wanted, Error> {
         let ws = workspace::prepare(config.workspace.as_ref(), &config.mounts)?;
-        let mount_count = config.mounts.len() + usize::from(ws.mount.is_some());
-        slots.check(mount_count, ws.share.is_some())?;
-        if mount_count == 0 && ws.share.is_none() {
-            return Ok(Wanted {
-                shares: Vec::new(),
-                params: Vec::new(),
-                ws,
-            });
-        }
-        let prepared = ws.shares_with(&config.mounts)?;
-        let params = slots::share_params(&ws, prepared.params)?;
-        let shares = prepared
-            .shares
-            .into_iter()
-            .map(|share| ShareConfig {
-                path: jail::resolved(&share.path),
-                ..share
-            })
-            .collect();
+        let Attached { shares, params } = slots::requested(config, &ws, slots)?;
         Ok(Wanted { shares, params, ws })
     }
 }

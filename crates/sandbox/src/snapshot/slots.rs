@@ -196,17 +196,7 @@ pub(crate) fn attach(
     saved: &[String],
     runtime: &Path,
 ) -> Result<Attached, Error> {
-    let mount_count = config.mounts.len() + usize::from(ws.mount.is_some());
-    ShareSlots::of_tags(saved).check(mount_count, ws.share.is_some())?;
-    let prepared = ws.shares_with(&config.mounts)?;
-    let mut shares: Vec<ShareConfig> = prepared
-        .shares
-        .into_iter()
-        .map(|share| ShareConfig {
-            path: jail::resolved(&share.path),
-            ..share
-        })
-        .collect();
+    let Attached { mut shares, params } = requested(config, ws, ShareSlots::of_tags(saved))?;
     let unused: Vec<&String> = saved
         .iter()
         .filter(|tag| !shares.iter().any(|s| &s.tag == *tag))
@@ -215,6 +205,32 @@ pub(crate) fn attach(
         let dir = idle_dir(runtime)?;
         shares.extend(unused.into_iter().map(|tag| idle(tag.clone(), &dir)));
     }
+    Ok(Attached { shares, params })
+}
+
+/// `config`'s mounts and the workspace `ws` on the share slots `slots`: each directory with its
+/// slot's tag (symbolic links resolved, as a jailed VMM sees them) and the agent's share
+/// parameters; nothing for the idle slots.
+///
+/// # Errors
+/// [`Error::Snapshot`] when `slots` are too few; the errors of
+/// [`mounts::prepare`](crate::mounts::prepare); [`Error::BootParams`].
+pub(crate) fn requested(
+    config: &SandboxConfig,
+    ws: &workspace::Prepared,
+    slots: ShareSlots,
+) -> Result<Attached, Error> {
+    let mount_count = config.mounts.len() + usize::from(ws.mount.is_some());
+    slots.check(mount_count, ws.share.is_some())?;
+    let prepared = ws.shares_with(&config.mounts)?;
+    let shares = prepared
+        .shares
+        .into_iter()
+        .map(|share| ShareConfig {
+            path: jail::resolved(&share.path),
+            ..share
+        })
+        .collect();
     let params = share_params(ws, prepared.params)?;
     Ok(Attached { shares, params })
 }
@@ -224,7 +240,7 @@ pub(crate) fn attach(
 ///
 /// # Errors
 /// [`Error::BootParams`].
-pub(crate) fn share_params(
+fn share_params(
     ws: &workspace::Prepared,
     mounts: Vec<bulkhead_protocol::boot::Share>,
 ) -> Result<Vec<String>, Error> {
