@@ -30,7 +30,9 @@ use fuse_backend_rs::passthrough::PassthroughFs;
 use fuse_backend_rs::transport::FsCacheReqHandler;
 
 use super::identity::UmaskCleared;
-use super::share::{check_name, errno, is_special_node, opens_for_writing, ShareFs, HOST_CONTEXT};
+use super::share::{
+    check_name, errno, is_special_node, opens_for_writing, without_set_id, ShareFs, HOST_CONTEXT,
+};
 
 /// FUSE_INIT options offered on top of the passthrough file system's own.
 const EXTRA_OPTIONS: FsOptions = FsOptions::BIG_WRITES
@@ -118,6 +120,9 @@ impl FileSystem for ShareFs {
         valid: SetattrValid,
     ) -> io::Result<(stat64, Duration)> {
         self.writable()?;
+        let mut attr = attr;
+        // A chmod's mode carries the file's type (the kernel keeps it from the inode).
+        attr.st_mode = without_set_id(attr.st_mode, attr.st_mode & libc::S_IFMT == libc::S_IFDIR);
         self.run(|fs, ctx| fs.setattr(ctx, inode, attr, handle, valid))
     }
 
@@ -153,6 +158,7 @@ impl FileSystem for ShareFs {
         if is_special_node(mode) {
             return Err(errno(libc::EPERM));
         }
+        let mode = without_set_id(mode, false);
         self.run_creating(|fs, ctx| fs.mknod(ctx, parent, name, mode, rdev, umask))
     }
 
@@ -166,6 +172,7 @@ impl FileSystem for ShareFs {
     ) -> io::Result<Entry> {
         self.writable()?;
         check_name(name)?;
+        let mode = without_set_id(mode, true);
         self.run_creating(|fs, ctx| fs.mkdir(ctx, parent, name, mode, umask))
     }
 
@@ -243,6 +250,10 @@ impl FileSystem for ShareFs {
             return Err(errno(libc::EINVAL));
         }
         let flags = args.flags;
+        let args = CreateIn {
+            mode: without_set_id(args.mode, false),
+            ..args
+        };
         let created = self.run_creating(|fs, ctx| fs.create(ctx, parent, name, args))?;
         self.record_handle(created.1, flags);
         Ok(created)

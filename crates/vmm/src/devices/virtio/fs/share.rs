@@ -245,6 +245,18 @@ pub fn is_special_node(mode: u32) -> bool {
     )
 }
 
+/// `mode` without the set-user-ID bit, and without set-group-ID unless it is for a
+/// `directory` (where the bit only makes new entries inherit the group). The guest creates and
+/// chmods host files as the share's owner: a set-ID bit would leave on the host an executable
+/// that runs as that owner for any host user who can reach it, so the file server never sets
+/// one.
+pub fn without_set_id(mode: u32, directory: bool) -> u32 {
+    match directory {
+        true => mode & !libc::S_ISUID,
+        false => mode & !(libc::S_ISUID | libc::S_ISGID),
+    }
+}
+
 /// An `io::Error` from an errno value.
 pub(super) fn errno(code: i32) -> io::Error {
     io::Error::from_raw_os_error(code)

@@ -217,3 +217,50 @@ fn without_root_the_owner_is_the_vmm_itself() {
     assert_eq!(same, default);
     assert_eq!(other, Err((2000, 2000)));
 }
+
+#[test]
+fn the_guest_cannot_leave_a_set_id_file_on_the_host_but_a_directory_may_keep_its_group() {
+    // Arrange: a writable share served as the caller (no root needed).
+    let share = Share::new(false);
+    let ctx = guest_root();
+    let file = share.create(ROOT_ID, &cstr("tool")).unwrap();
+    // SAFETY: stat64 is plain data; all-zero is a valid value.
+    let mut attr: stat64 = unsafe { std::mem::zeroed() };
+    attr.st_mode = libc::S_IFREG | libc::S_ISUID | libc::S_ISGID | 0o755;
+
+    // Act: chmod 6755 of a file and of a directory, and set-ID bits asked for at creation.
+    share
+        .fs
+        .setattr(&ctx, file.inode, attr, None, SetattrValid::MODE)
+        .unwrap();
+    let dir = share
+        .fs
+        .mkdir(&ctx, ROOT_ID, &cstr("team"), 0o775, 0)
+        .unwrap();
+    let mut dir_attr = attr;
+    dir_attr.st_mode = libc::S_IFDIR | libc::S_ISUID | libc::S_ISGID | 0o775;
+    share
+        .fs
+        .setattr(&ctx, dir.inode, dir_attr, None, SetattrValid::MODE)
+        .unwrap();
+    let args = fuse_backend_rs::abi::fuse_abi::CreateIn {
+        flags: (libc::O_RDWR | libc::O_CREAT) as u32,
+        mode: libc::S_IFREG | libc::S_ISUID | libc::S_ISGID | 0o755,
+        umask: 0,
+        fuse_flags: 0,
+    };
+    share
+        .fs
+        .create(&ctx, ROOT_ID, &cstr("made_setid"), args)
+        .unwrap();
+
+    // Assert
+    let mode = |name: &str| std::fs::metadata(share.path(name)).unwrap().mode() & 0o7777;
+    assert_eq!(mode("tool"), 0o755);
+    assert_eq!(mode("made_setid"), 0o755);
+    assert_eq!(
+        mode("team") & 0o7000,
+        libc::S_ISGID,
+        "only the directory's setgid bit"
+    );
+}
