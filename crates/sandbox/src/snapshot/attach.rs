@@ -78,10 +78,19 @@ pub fn check_attachable(
     vmm: Option<(u32, u32)>,
 ) -> Result<(), Error> {
     let wanted = Wanted::of(config, slots)?;
-    match vmm {
-        Some(vmm) => check_identity(&wanted.shares, vmm),
-        None => Ok(()),
-    }
+    let Some(vmm) = vmm else {
+        return Ok(());
+    };
+    let owners = wanted
+        .shares
+        .iter()
+        .map(|share| {
+            let meta = std::fs::metadata(&share.path)
+                .map_err(|e| Error::Attach(format!("{}: {e}", share.path.display())))?;
+            Ok((meta.uid(), meta.gid()))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    check_identity(&wanted.shares, &owners, vmm)
 }
 
 /// What a create's mounts and workspace attach.
@@ -126,12 +135,25 @@ impl Sandbox {
         let runtime = runtime.to_owned();
         let jailed = jail::active(config.jail);
         let wanted = Wanted::of(config, slots)?;
+        // Each directory is opened once, without following a symbolic link anywhere on its
+        // (resolved) path; its owner and what the VMM gets are that directory, whatever
+        // happens to the path meanwhile.
+        let dirs = wanted
+            .shares
+            .iter()
+            .map(|share| open_dir(&share.path, jailed).map_err(|e| attach_error(share, e)))
+            .collect::<Result<Vec<OwnedFd>, Error>>()?;
         if jailed {
-            check_identity(&wanted.shares, vmm_identity(&runtime)?)?;
+            let owners = dirs
+                .iter()
+                .zip(&wanted.shares)
+                .map(|(dir, share)| owner_of(dir).map_err(|e| attach_error(share, e)))
+                .collect::<Result<Vec<_>, Error>>()?;
+            check_identity(&wanted.shares, &owners, vmm_identity(&runtime)?)?;
         }
         let socket = runtime.join(API_SOCKET);
-        for share in &wanted.shares {
-            send_share(&socket, share, jailed)?;
+        for (share, dir) in wanted.shares.iter().zip(dirs) {
+            send_share(&socket, share, dir, jailed)?;
         }
         workspace::record(&runtime, &wanted.ws, None)?;
         Ok(wanted.params)
@@ -149,28 +171,23 @@ fn vmm_identity(runtime: &Path) -> Result<(u32, u32), Error> {
     Ok((meta.uid(), meta.gid()))
 }
 
-/// Refuses `shares` unless a VMM running as `running` serves them as one started with them
-/// would ([`jail::identity`], [`jail::same_identity`]).
-fn check_identity(shares: &[ShareConfig], running: (u32, u32)) -> Result<(), Error> {
-    let owners = shares
+/// Refuses `shares`, whose directories belong to `dir_owners` (in order), unless a VMM running
+/// as `running` serves them as one started with them would ([`jail::identity`],
+/// [`jail::same_identity`]).
+fn check_identity(
+    shares: &[ShareConfig],
+    dir_owners: &[(u32, u32)],
+    running: (u32, u32),
+) -> Result<(), Error> {
+    let owners: Vec<ShareOwner> = shares
         .iter()
-        .map(|share| {
-            let owner = match share.owner {
-                Some(owner) => owner,
-                None => {
-                    let meta = std::fs::metadata(&share.path).map_err(|source| {
-                        Error::Attach(format!("{}: {source}", share.path.display()))
-                    })?;
-                    (meta.uid(), meta.gid())
-                }
-            };
-            Ok(ShareOwner {
-                path: share.path.clone(),
-                owner,
-                read_only: share.read_only,
-            })
+        .zip(dir_owners)
+        .map(|(share, dir_owner)| ShareOwner {
+            path: share.path.clone(),
+            owner: share.owner.unwrap_or(*dir_owner),
+            read_only: share.read_only,
         })
-        .collect::<Result<Vec<_>, Error>>()?;
+        .collect();
     // The slot only picks a fresh id, and any fresh id will do.
     let needed = jail::identity(&owners, 0)?;
     if !jail::same_identity(needed, running) {
@@ -179,16 +196,25 @@ fn check_identity(shares: &[ShareConfig], running: (u32, u32)) -> Result<(), Err
     Ok(())
 }
 
-/// Opens `share`'s directory (for a `jailed` VMM: a detached, restricted copy of its mount)
-/// and sends it to the VMM's control socket `socket` for the virtio-fs device `share.tag`.
-fn send_share(socket: &Path, share: &ShareConfig, jailed: bool) -> Result<(), Error> {
-    let refused =
-        |e: String| Error::Attach(format!("{} ({}): {e}", share.path.display(), share.tag));
+/// The owner of the open file `dir`.
+fn owner_of(dir: &OwnedFd) -> io::Result<(u32, u32)> {
+    let meta = File::from(dir.try_clone()?).metadata()?;
+    Ok((meta.uid(), meta.gid()))
+}
+
+/// [`Error::Attach`] for `share`.
+fn attach_error(share: &ShareConfig, e: impl std::fmt::Display) -> Error {
+    Error::Attach(format!("{} ({}): {e}", share.path.display(), share.tag))
+}
+
+/// Sends `share`'s directory `dir` (for a `jailed` VMM: a detached, restricted copy of its
+/// mount) to the VMM's control socket `socket` for the virtio-fs device `share.tag`.
+fn send_share(socket: &Path, share: &ShareConfig, dir: OwnedFd, jailed: bool) -> Result<(), Error> {
+    let refused = |e: String| attach_error(share, e);
     let dir = match jailed {
-        true => detached_copy(&share.path, share.read_only),
-        false => open_path(&share.path),
-    }
-    .map_err(|e| refused(e.to_string()))?;
+        true => detached_copy(&dir, share.read_only).map_err(|e| refused(e.to_string()))?,
+        false => dir,
+    };
     let request = Request::AttachShare(AttachShare {
         tag: share.tag.clone(),
         read_only: share.read_only,
@@ -212,13 +238,15 @@ struct MountAttr {
     userns_fd: u64,
 }
 
-/// `path` as a detached copy of its mount (`open_tree(2)`), made `nosuid`, `nodev`, `noexec`
-/// and, for `read_only`, read-only (`mount_setattr(2)`). Needs `CAP_SYS_ADMIN` and Linux 5.12.
-fn detached_copy(path: &Path, read_only: bool) -> io::Result<OwnedFd> {
-    let c_path = CString::new(path.as_os_str().as_bytes())?;
-    let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
-    // SAFETY: open_tree reads the NUL-terminated path and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c_path.as_ptr(), flags) };
+/// The directory `dir` as a detached copy of its mount (`open_tree(2)`), made `nosuid`,
+/// `nodev`, `noexec` and, for `read_only`, read-only (`mount_setattr(2)`). Needs
+/// `CAP_SYS_ADMIN` and Linux 5.12.
+fn detached_copy(dir: &OwnedFd, read_only: bool) -> io::Result<OwnedFd> {
+    let flags =
+        OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_EMPTY_PATH as libc::c_uint;
+    // SAFETY: open_tree reads the empty NUL-terminated path (AT_EMPTY_PATH: `dir` itself) and
+    // returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_open_tree, dir.as_raw_fd(), c"".as_ptr(), flags) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -249,6 +277,48 @@ fn detached_copy(path: &Path, read_only: bool) -> io::Result<OwnedFd> {
     Ok(tree)
 }
 
+/// `struct open_how` of `openat2(2)` (`<linux/openat2.h>`).
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// `RESOLVE_NO_SYMLINKS` of `openat2(2)`.
+const RESOLVE_NO_SYMLINKS: u64 = 0x04;
+
+/// The directory `path` (resolved already), opened `O_PATH` with no symbolic link followed on
+/// the way (`openat2(2)`, Linux 5.6); without it, and only for an unjailed VMM, opened plainly.
+fn open_dir(path: &Path, jailed: bool) -> io::Result<OwnedFd> {
+    let c_path = CString::new(path.as_os_str().as_bytes())?;
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: RESOLVE_NO_SYMLINKS,
+    };
+    // SAFETY: openat2 reads the NUL-terminated path and `how` (its size given) and returns a
+    // new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            libc::AT_FDCWD,
+            c_path.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd >= 0 {
+        // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
+        return Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+    }
+    let err = io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::ENOSYS) if !jailed => open_path(path),
+        _ => Err(err),
+    }
+}
+
 /// `path` opened `O_PATH | O_DIRECTORY`.
 fn open_path(path: &Path) -> io::Result<OwnedFd> {
     use std::os::unix::fs::OpenOptionsExt;
@@ -271,8 +341,9 @@ mod tests {
         std::fs::write(dir.path().join("f"), b"x").unwrap();
 
         // Act
-        let ro = File::from(detached_copy(dir.path(), true).unwrap());
-        let rw = File::from(detached_copy(dir.path(), false).unwrap());
+        let opened = open_dir(dir.path(), true).unwrap();
+        let ro = File::from(detached_copy(&opened, true).unwrap());
+        let rw = File::from(detached_copy(&opened, false).unwrap());
 
         // Assert: the same directory, on a mount with the jail's flags.
         let want = std::fs::metadata(dir.path()).unwrap().ino();
@@ -293,14 +364,21 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_share_directory_is_an_error() {
+    fn a_share_directory_opens_only_without_a_symbolic_link_on_its_path() {
+        // Arrange
         let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("real")).unwrap();
+        std::os::unix::fs::symlink("real", dir.path().join("link")).unwrap();
 
-        let copy = detached_copy(&dir.path().join("gone"), false);
-        let plain = open_path(&dir.path().join("gone"));
+        // Act
+        let real = open_dir(&dir.path().join("real"), true);
+        let through_link = open_dir(&dir.path().join("link"), true);
+        let missing = open_dir(&dir.path().join("gone"), true);
 
-        assert!(copy.is_err());
-        assert_eq!(plain.unwrap_err().raw_os_error(), Some(libc::ENOENT));
+        // Assert
+        assert!(real.is_ok());
+        assert_eq!(through_link.unwrap_err().raw_os_error(), Some(libc::ELOOP));
+        assert_eq!(missing.unwrap_err().raw_os_error(), Some(libc::ENOENT));
     }
 
     #[test]
@@ -317,18 +395,21 @@ mod tests {
         let fresh = clone_identity(None);
         let user = clone_identity(Some((1000, 1000)));
 
+        let root = [(0, 0)];
+
         // Act / Assert
-        assert!(check_identity(&[], fresh).is_ok());
-        assert!(check_identity(&[share(true)], fresh).is_ok());
+        assert!(check_identity(&[], &[], fresh).is_ok());
+        assert!(check_identity(&[share(true)], &root, fresh).is_ok());
         assert!(
-            check_identity(&[], user).is_err(),
+            check_identity(&[], &[], user).is_err(),
             "a clone running as a user is for that user's shares only"
         );
         let users = ShareConfig {
-            owner: Some((1000, 1000)),
+            owner: None,
             ..share(false)
         };
-        assert!(check_identity(std::slice::from_ref(&users), user).is_ok());
-        assert!(check_identity(&[users], fresh).is_err());
+        let theirs = [(1000, 1000)];
+        assert!(check_identity(std::slice::from_ref(&users), &theirs, user).is_ok());
+        assert!(check_identity(&[users], &theirs, fresh).is_err());
     }
 }
