@@ -360,6 +360,7 @@ fn bad_pool_settings_stop_the_daemon_with_a_clear_error() {
     let too_big = run("max_sandboxes = 2\n[pool]\ntemplate = \"base\"\nsize = 3\n");
     let zero = run("[pool]\ntemplate = \"base\"\nsize = 0\n");
     let bad_name = run("[pool]\ntemplate = \"../base\"\nsize = 1\n");
+    let root_owner = run("[pool]\ntemplate = \"base\"\nsize = 1\nshare_owner = [0, 0]\n");
 
     // Assert
     assert_ne!(missing.0, Some(0));
@@ -386,6 +387,12 @@ fn bad_pool_settings_stop_the_daemon_with_a_clear_error() {
         bad_name.1.contains("invalid template name"),
         "{}",
         bad_name.1
+    );
+    assert_eq!(root_owner.0, Some(2), "{}", root_owner.1);
+    assert!(
+        root_owner.1.contains("pool.share_owner must not be root"),
+        "{}",
+        root_owner.1
     );
 }
 
