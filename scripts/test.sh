@@ -113,13 +113,13 @@ summary() {
             }
         }
         /^RETRY: / { name = $0; sub(/.*"--exact", "/, "", name); sub(/".*/, "", name); retried[name] = 1 }
-        /^RETRY: a nested guest crashed/ { crash_retry++ }
+        /^RETRY: a nested guest / { crash_retry++ }
         /^RETRY: the test host failed/ { if ($0 ~ /timed out/) hang_retry++; else host_retry++ }
         /^test .* \.\.\. ok$/ { passed[$2] = 1 }
         END {
             printf "  guests booted: %d; guests that crashed or showed a kernel panic: %d\n", boots, crashed
             printf "  longest heartbeat gap of a live test host: %.1f s (one comes every 10 s)\n", longest
-            printf "  retries: %d after a guest crash, %d after a hung test, %d after a dead test host\n", crash_retry, hang_retry, host_retry
+            printf "  retries: %d after a guest that crashed or never became ready, %d after a hung test, %d after a dead test host\n", crash_retry, hang_retry, host_retry
             n = 0
             for (t in retried) if (t in passed) { printf "  passed only on retry: %s\n", t; n++ }
             if (n == 0) print "  passed only on retry: none"

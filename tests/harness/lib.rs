@@ -76,9 +76,9 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
             .unwrap_or_else(|e| panic!("running {args:?} in the test host failed: {e}"))
     };
     let mut out = run();
-    if out.status != 0 && nested_guest_crashed(&out) {
+    if let Some(how) = nested_guest_failed(&out) {
         log_uncaptured(&format!(
-            "RETRY: a nested guest crashed under {args:?} (known test-host problem, see \
+            "RETRY: a nested guest {how} under {args:?} (known test-host problem, see \
              docs/testhost.md, \"Known problems\"); running it once more:\n{}\n",
             String::from_utf8_lossy(&out.stdout)
         ));
@@ -95,19 +95,33 @@ pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String
     Some(stdout)
 }
 
-/// Whether a failed delegated test reports a guest crash (the VMM's "the guest crashed", its
-/// triple-fault warning, a reset after a kernel panic message on the console, or a
-/// [`CRASH_MARKER`] line: a VMM of the test logged a crash or a console panic to the boot log): in
-/// the nested test host, guest kernels sometimes crash (docs/testhost.md, "Known problems"), so
-/// such a test is run once more; one that fails twice still fails. (The tests' guests are ours:
-/// their console is evidence here, as it never is for a host's report.)
-fn nested_guest_crashed(out: &CommandOutput) -> bool {
-    [&out.stdout, &out.stderr].iter().any(|bytes| {
-        let text = String::from_utf8_lossy(bytes);
-        text.contains("the guest crashed")
-            || text.contains("KVM_EXIT_SHUTDOWN")
-            || text.contains("showed a kernel panic message")
-    })
+/// How a failed delegated test's nested guest failed, when it reports one of the test host's
+/// known guest failures (docs/testhost.md, "Known problems"): a guest crash (the VMM's "the
+/// guest crashed", its triple-fault warning, a reset after a kernel panic message on the
+/// console, or a [`CRASH_MARKER`] line: a VMM of the test logged a crash or a console panic to
+/// the boot log), or a guest whose agent never became ready within the boot timeout (under
+/// load, such as twenty guests booting at once, a nested guest sometimes stalls in the emulator
+/// for good). Such a test is run once more; one that fails twice still fails, and a test that
+/// expects a timeout passes and is never retried. (The tests' guests are ours: their console is
+/// evidence here, as it never is for a host's report.)
+fn nested_guest_failed(out: &CommandOutput) -> Option<&'static str> {
+    if out.status == 0 {
+        return None;
+    }
+    let text: String = [&out.stdout, &out.stderr]
+        .iter()
+        .map(|bytes| String::from_utf8_lossy(bytes))
+        .collect();
+    let crashed = text.contains("the guest crashed")
+        || text.contains("KVM_EXIT_SHUTDOWN")
+        || text.contains("showed a kernel panic message");
+    if crashed {
+        Some("crashed")
+    } else if text.contains("the guest agent was not ready within") {
+        Some("never became ready")
+    } else {
+        None
+    }
 }
 
 /// File inside the test host (its own tmpfs, so it lives as long as that test host) to which every
@@ -197,7 +211,7 @@ fn inner_script(args: &[&str]) -> String {
         .collect();
     // The test's status is the script's. The guests that crashed during the test (the boot log's
     // `crashed:` and `console-panic:` lines since it started) are printed for
-    // `nested_guest_crashed`, and the boot
+    // `nested_guest_failed`, and the boot
     // counts (its `kernel=` lines: this test's, all) on the last line for `report_guest_boots`.
     format!(
         "export {INNER_ENV}=1 HOME='{home}' XDG_DATA_HOME='{}' RUST_BACKTRACE=1 PATH=/usr/sbin:/usr/bin:/sbin:/bin BULKHEAD_BOOT_LOG={BOOT_LOG}{passthrough}\n\
