@@ -513,3 +513,35 @@ pub fn run_sh(
         .wait_with_output()
         .expect("output")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(status: i32, stderr: &str) -> CommandOutput {
+        CommandOutput {
+            stdout: b"running 1 test\n".to_vec(),
+            stderr: stderr.as_bytes().to_vec(),
+            status,
+        }
+    }
+
+    #[test]
+    fn only_failed_tests_with_a_known_nested_guest_failure_are_run_again() {
+        let not_ready = "create: the guest agent was not ready within 300s; the VM was destroyed";
+
+        assert_eq!(
+            nested_guest_failed(&failed(101, "bulkhead-harness: the guest crashed: pid=7")),
+            Some("crashed")
+        );
+        assert_eq!(
+            nested_guest_failed(&failed(101, not_ready)),
+            Some("never became ready")
+        );
+        assert_eq!(nested_guest_failed(&failed(0, not_ready)), None);
+        assert_eq!(
+            nested_guest_failed(&failed(101, "assertion `left == right` failed")),
+            None
+        );
+    }
+}
