@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
-use crate::{inner_script, target_dir, test_host, INNER_ENV};
+use crate::{inner_script, target_dir, INNER_ENV};
 
 /// Longest a benchmark may run inside the test host. A benchmark boots dozens of guests in one
 /// process, so the limit of one delegated test (10 min) is too short for it; this one only
@@ -29,7 +29,8 @@ pub fn run(body: impl FnOnce()) {
         body();
         return;
     }
-    let status = test_host(None)
+    let status = crate::hosts::lease(true)
+        .host()
         .run_streaming(
             &inner_script(&[]),
             BENCH_TIMEOUT,

@@ -7,7 +7,8 @@
 //!   `/sys/module`, or inside the test host itself), the body runs right here;
 //! - otherwise (e.g. this project's build machines, whose `/dev/kvm` is kvm_pvm) the test binary
 //!   re-runs *this one test* inside the nested test host ([`bulkhead_testhost`]) and reports its
-//!   result. One test host boot is shared by every test in the process.
+//!   result. A test process boots up to two test hosts (one per CPU, [`hosts`]) and shares them
+//!   among its tests.
 //!
 //! The test host mounts the workspace's `target/` directory and bulkhead's data directory at the
 //! same paths, so the test binary, the binaries under test, kernels and scratch files have the same
@@ -17,18 +18,16 @@
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bulkhead_testhost::{
-    CommandOutput, Error as TestHostError, TcgThreads, TestHost, TestHostConfig,
-};
+use bulkhead_testhost::{CommandOutput, Error as TestHostError};
 use bulkhead_vmm::vstate::kvm::host_kvm;
 
 mod artifacts;
 pub mod bench;
 pub mod containerd;
 pub mod hostcheck;
+mod hosts;
 pub mod procs;
 pub mod pty;
 pub mod python;
@@ -36,6 +35,7 @@ pub mod readonly;
 pub mod tree;
 
 pub use artifacts::{artifacts, kernel_without_vsock, Artifacts};
+pub use hosts::count as test_host_count;
 
 /// Set in the environment of a test re-run inside the test host.
 const INNER_ENV: &str = "BULKHEAD_IN_TESTHOST";
@@ -43,7 +43,8 @@ const INNER_ENV: &str = "BULKHEAD_IN_TESTHOST";
 /// (The slowest test takes ~4 min in a loaded test host.)
 const INNER_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Runs `body` where guests can boot: here, or inside the shared test host.
+/// Runs `body` where guests can boot: here, or inside one of the shared test hosts, beside
+/// other tests.
 ///
 /// `test_name` is the test's path as libtest names it (`module::test`); use the [`guest_test!`]
 /// macro rather than calling this directly.
@@ -51,8 +52,21 @@ const INNER_TIMEOUT: Duration = Duration::from_secs(600);
 /// # Panics
 /// When the body panics (here or in the test host), or when the test host cannot be started.
 pub fn in_vm_host(test_name: &str, body: impl FnOnce()) {
+    in_vm_host_as(test_name, false, body);
+}
+
+/// [`in_vm_host`] for a test that needs a whole test host (many guests at once, a CPU or memory
+/// measurement): delegated, it runs in a test host that runs nothing else meanwhile.
+///
+/// # Panics
+/// As [`in_vm_host`].
+pub fn in_vm_host_alone(test_name: &str, body: impl FnOnce()) {
+    in_vm_host_as(test_name, true, body);
+}
+
+fn in_vm_host_as(test_name: &str, alone: bool, body: impl FnOnce()) {
     let args = ["--exact", test_name, "--nocapture", "--test-threads=1"];
-    let Some(stdout) = run_here_or_delegate(&args, body) else {
+    let Some(stdout) = here_or_delegated(&args, alone, body) else {
         return;
     };
     assert!(
@@ -67,25 +81,31 @@ pub fn in_vm_host(test_name: &str, body: impl FnOnce()) {
 /// # Panics
 /// When the re-run fails (non-zero status), with its output.
 pub fn run_here_or_delegate(args: &[&str], body: impl FnOnce()) -> Option<String> {
+    here_or_delegated(args, false, body)
+}
+
+/// [`run_here_or_delegate`], delegated to a test host of its own with `alone`.
+fn here_or_delegated(args: &[&str], alone: bool, body: impl FnOnce()) -> Option<String> {
     if env::var_os(INNER_ENV).is_some() || host_kvm().can_boot_stock_kernel() {
         body();
         return None;
     }
+    let started = std::time::Instant::now();
     let run = || {
-        run_in_test_host(&inner_script(args), args)
+        run_in_test_host(&inner_script(args), args, alone)
             .unwrap_or_else(|e| panic!("running {args:?} in the test host failed: {e}"))
     };
-    let mut out = run();
+    let (mut out, mut host) = run();
     if let Some(how) = nested_guest_failed(&out) {
         log_uncaptured(&format!(
             "RETRY: a nested guest {how} under {args:?} (known test-host problem, see \
              docs/testhost.md, \"Known problems\"); running it once more:\n{}\n",
             String::from_utf8_lossy(&out.stdout)
         ));
-        out = run();
+        (out, host) = run();
     }
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    report_guest_boots(args, &stdout);
+    report_guest_boots(args, &stdout, host, started.elapsed());
     assert!(
         out.status == 0,
         "{args:?} failed in the test host (status {}):\n--- stdout\n{stdout}\n--- stderr\n{}",
@@ -138,8 +158,10 @@ const BOOTS_MARKER: &str = "bulkhead-harness: guest boots:";
 /// logs), how many guests the delegated run booted (and how many of them crashed or showed a
 /// kernel panic, from the boot log's lines) and how many the current test host has booted in all:
 /// the evidence that one test-host boot serves many guest boots, and the counts
-/// `scripts/test.sh` sums up.
-fn report_guest_boots(args: &[&str], stdout: &str) {
+/// `scripts/test.sh` sums up. `host` is the number of the test host that ran it, `elapsed` the
+/// delegated run's wall time (with a retry and, for a host's first test, its boot), which the
+/// summary ranks.
+fn report_guest_boots(args: &[&str], stdout: &str, host: usize, elapsed: Duration) {
     let Some(counts) = stdout
         .lines()
         .rev()
@@ -160,9 +182,10 @@ fn report_guest_boots(args: &[&str], stdout: &str) {
     };
     let silence_ms = LONGEST_SILENCE_MS.load(std::sync::atomic::Ordering::Relaxed);
     let line = format!(
-        "guest boots: {this_run} in {name}{crashes}; {total} so far in test host #{}; \
+        "guest boots: {this_run} in {name} ({:.1} s){crashes}; {total} so far in test host #{}; \
          longest heartbeat gap {:.1} s\n",
-        TEST_HOSTS_STARTED.load(std::sync::atomic::Ordering::Relaxed),
+        elapsed.as_secs_f64(),
+        host,
         silence_ms as f64 / 1000.0
     );
     log_uncaptured(&line);
@@ -178,9 +201,6 @@ fn log_uncaptured(text: &str) {
 /// The longest heartbeat gap of any live test host of this process so far, ms
 /// ([`TestHost::longest_silence`]): how close a healthy test host came to being declared frozen.
 static LONGEST_SILENCE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Test hosts booted by this process (a dead one is replaced by a new one).
-static TEST_HOSTS_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Declares a guest-level test: `guest_test!(fn name() { ... })` runs the body through
 /// [`in_vm_host`].
@@ -233,17 +253,23 @@ fn inner_script(args: &[&str]) -> String {
     )
 }
 
-/// Runs `script` in the shared test host. When the test host itself dies under the command (its
+/// Runs `script` in one of the shared test hosts ([`hosts::lease`], one of its own with
+/// `alone`); returns its output and the
+/// number of the host that ran it. When the test host itself dies under the command (its
 /// kernel panicked, QEMU exited, the control channel broke), or the command hangs past
 /// [`INNER_TIMEOUT`] (seen rarely: a nested guest stalled inside the emulated test host, under
 /// multi-threaded TCG), the command runs once more in a freshly booted test host and the first
 /// failure is printed. A test that fails, or hangs twice, still fails.
-fn run_in_test_host(script: &str, args: &[&str]) -> Result<CommandOutput, TestHostError> {
-    let mut host = test_host(None);
+fn run_in_test_host(
+    script: &str,
+    args: &[&str],
+    alone: bool,
+) -> Result<(CommandOutput, usize), TestHostError> {
+    let mut lease = hosts::lease(alone);
     let mut retries = 0;
     loop {
-        let result = host.run(script, INNER_TIMEOUT);
-        let silence = u64::try_from(host.longest_silence().as_millis()).unwrap_or(u64::MAX);
+        let result = lease.host().run(script, INNER_TIMEOUT);
+        let silence = u64::try_from(lease.host().longest_silence().as_millis()).unwrap_or(u64::MAX);
         LONGEST_SILENCE_MS.fetch_max(silence, std::sync::atomic::Ordering::Relaxed);
         match result {
             Err(e) if retry_allowed(&e, retries) => {
@@ -251,9 +277,9 @@ fn run_in_test_host(script: &str, args: &[&str]) -> Result<CommandOutput, TestHo
                 log_uncaptured(&format!(
                     "RETRY: the test host failed under {args:?} ({e}); retrying in a new one\n"
                 ));
-                host = test_host(Some(&host));
+                lease.replace();
             }
-            result => return result,
+            result => return result.map(|out| (out, lease.number())),
         }
     }
 }
@@ -282,52 +308,6 @@ fn host_died(e: &TestHostError) -> bool {
             | TestHostError::Unresponsive { .. }
             | TestHostError::Broken
     )
-}
-
-/// The shared test host, booted on first use. With `dead`, that host is replaced by a new one
-/// (unless another test already replaced it).
-fn test_host(dead: Option<&Arc<TestHost>>) -> Arc<TestHost> {
-    static HOST: Mutex<Option<Arc<TestHost>>> = Mutex::new(None);
-    let mut slot = HOST.lock().unwrap_or_else(|p| p.into_inner());
-    if let (Some(dead), Some(current)) = (dead, slot.as_ref()) {
-        if Arc::ptr_eq(dead, current) {
-            *slot = None;
-        }
-    }
-    slot.get_or_insert_with(|| Arc::new(start_test_host()))
-        .clone()
-}
-
-fn start_test_host() -> TestHost {
-    TEST_HOSTS_STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let a = artifacts();
-    let mut shares = vec![target_dir(), artifacts::data_home().join("bulkhead")];
-    let mut extra_libs_for = vec![
-        env::current_exe().expect("test exe"),
-        a.vmm.clone(),
-        a.cli.clone(),
-    ];
-    // Python for the Python SDK's integration test (its standard library and the SDK shared,
-    // the interpreter's libraries added); without it that test fails with the reason.
-    if let Some(py) = python::prepare() {
-        shares.extend(py.shares);
-        extra_libs_for.push(py.interpreter);
-    }
-    // containerd for the shim's end-to-end test; without it that test fails with the reason.
-    if let Some(binaries) = containerd::prepare() {
-        extra_libs_for.extend(binaries);
-        shares.push(workspace_root().join("scripts"));
-    }
-    let config = TestHostConfig {
-        // Multi-threaded TCG: with one TCG thread, about 1 in 7 nested guest boots stalled
-        // before init (measured here); the rare test-host boot livelock of MTTCG is covered
-        // by the test host's boot retry.
-        tcg_threads: TcgThreads::Multi,
-        shares,
-        extra_libs_for,
-        ..TestHostConfig::default()
-    };
-    TestHost::start(config).unwrap_or_else(|e| panic!("cannot start the nested test host: {e}"))
 }
 
 /// The workspace root (parent of `tests/`).
