@@ -5,31 +5,42 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard};
 
 use bulkhead_client::{CreateSandbox, ExecSpec};
 use bulkhead_tests::artifacts;
 
 use super::{rt, TestDaemon};
 
-/// One VM test at a time in a test binary: they share the test host's two CPUs and 2 GiB.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// Holds [`SERIAL`] (also after a test that panicked while holding it).
-pub fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+/// The test's name as libtest lists it in this binary (`module::test`): what
+/// `bulkhead_tests::in_vm_host` re-runs with `--exact` inside the test host.
+#[macro_export]
+macro_rules! test_path {
+    ($name:ident) => {{
+        let path = concat!(module_path!(), "::", stringify!($name));
+        path.split_once("::")
+            .map_or(path, |(_, rest)| rest)
+            .to_owned()
+    }};
 }
 
-/// Declares a test whose body boots real guests (through `bulkhead_tests::in_vm_host`), holding
-/// [`serial`] around it, so delegated bodies never share the test host either.
+/// Declares a test whose body boots real guests: through `bulkhead_tests::in_vm_host` (beside
+/// other tests in one of the shared test hosts), or with `exclusive fn` through
+/// `bulkhead_tests::in_vm_host_alone`, for the tests that need a whole test host (twenty guests
+/// at once, a CPU-quota measurement, a guest filling its RAM).
 #[macro_export]
 macro_rules! vm_test {
     ($(#[$meta:meta])* fn $name:ident() $body:block) => {
         $(#[$meta])*
         #[test]
         fn $name() {
-            let _serial = $crate::common::real::serial();
-            bulkhead_tests::in_vm_host(stringify!($name), || $body);
+            bulkhead_tests::in_vm_host(&$crate::test_path!($name), || $body);
+        }
+    };
+    ($(#[$meta:meta])* exclusive fn $name:ident() $body:block) => {
+        $(#[$meta])*
+        #[test]
+        fn $name() {
+            bulkhead_tests::in_vm_host_alone(&$crate::test_path!($name), || $body);
         }
     };
 }

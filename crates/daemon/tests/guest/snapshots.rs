@@ -1,18 +1,15 @@
 //! The daemon's snapshots with real VMs, in the nested test host when this machine's KVM cannot
-//! boot guests: pause and resume, and the warm pool's hand-outs and refills (`guest.rs` has the
-//! other real-VM tests; the same one-at-a-time rule holds here).
-
-#[macro_use]
-mod common;
+//! boot guests: pause and resume, and the warm pool's hand-outs and refills.
 
 use std::time::{Duration, Instant};
 
-use bulkhead_client::SandboxState;
-use common::real::{
+use crate::common::real::{
     create, http_server, pool_ready, real_daemon, real_pool_daemon, real_pool_daemon_from, sh,
     small, vm_logs,
 };
-use common::{rt, wait_until};
+use crate::common::{rt, wait_until};
+use crate::{test_path, vm_test};
+use bulkhead_client::SandboxState;
 
 vm_test!(
     fn a_paused_real_vm_has_no_vmm_and_resumes_with_its_files_and_processes() {
@@ -41,7 +38,7 @@ vm_test!(
 
         // Act
         let paused = rt.block_on(client.pause(&sb.id));
-        let vmm_after_pause = common::alive(old_vmm);
+        let vmm_after_pause = crate::common::alive(old_vmm);
         let resumed = rt.block_on(client.resume(&sb.id));
         let file = sh(&daemon, &sb.id, "cat /tmp/x");
         let sleeper = sh(&daemon, &sb.id, "kill -0 $(cat /tmp/pid) && echo alive");
@@ -81,7 +78,7 @@ vm_test!(
             SandboxState::Paused
         );
         assert_eq!(
-            common::list(&daemon.state_dir.join("paused")),
+            crate::common::list(&daemon.state_dir.join("paused")),
             Vec::<std::path::PathBuf>::new()
         );
         let new_vmm = resumed.vmm_pid.unwrap();
@@ -183,7 +180,11 @@ vm_test!(
             "killed while the pool refilled: {before:?}"
         );
         assert!(!old.is_empty(), "clones ran when the daemon was killed");
-        let orphans: Vec<u32> = old.iter().copied().filter(|p| common::alive(*p)).collect();
+        let orphans: Vec<u32> = old
+            .iter()
+            .copied()
+            .filter(|p| crate::common::alive(*p))
+            .collect();
         assert_eq!(
             orphans,
             Vec::<u32>::new(),
@@ -206,11 +207,10 @@ vm_test!(
 /// across a pause, its VMM gone in between.
 #[test]
 fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
-    let _serial = common::real::serial();
     // Prepared here: inside the test host only the paths are computed.
     let rootfs = bulkhead_tests::artifacts().debian_image();
     bulkhead_tests::in_vm_host(
-        "a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes",
+        &test_path!(a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes),
         || {
             // Arrange
             let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
@@ -234,7 +234,7 @@ fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
 
             // Act
             let paused = rt.block_on(client.pause(&sb.id));
-            let vmm_after_pause = common::alive(old_vmm);
+            let vmm_after_pause = crate::common::alive(old_vmm);
             let resumed = rt.block_on(client.resume(&sb.id));
             let seen = sh(
                 &daemon,
@@ -446,7 +446,7 @@ vm_test!(
 );
 
 /// Whether the daemon logged sandbox `id`'s create as a hand-out from its warm pool.
-fn handed_out(daemon: &common::TestDaemon, id: &str) -> bool {
+fn handed_out(daemon: &crate::common::TestDaemon, id: &str) -> bool {
     daemon
         .log()
         .lines()

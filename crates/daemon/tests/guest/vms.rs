@@ -4,19 +4,14 @@
 //! at `/sys/fs/cgroup`, so they exercise the daemon's v2 path (the host-level tests exercise v1
 //! on the build machines).
 //!
-//! The tests run one at a time (`vm_test!`'s lock is taken both in this process and, when the
-//! body is delegated, around the delegation), because they share the test host's two CPUs and
-//! its 2 GiB, and one of them measures CPU use. Snapshot tests (pause, the warm pool) are in
-//! `guest_snapshots.rs`.
-
-#[macro_use]
-mod common;
+//! Snapshot tests (pause, the warm pool) are in `snapshots.rs`, directory copies in `cp.rs`.
 
 use std::time::{Duration, Instant};
 
+use crate::common::real::{create, http_server, multi_rt, real_daemon, small, vm_logs};
+use crate::common::{cgroup_file, rt, wait_until, TestDaemon};
+use crate::{test_path, vm_test};
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
-use common::real::{create, http_server, multi_rt, real_daemon, serial, small, vm_logs};
-use common::{cgroup_file, rt, wait_until, TestDaemon};
 
 /// Sandboxes booted at once by the concurrency test (the acceptance number).
 const CONCURRENT_VMS: usize = 20;
@@ -82,7 +77,7 @@ async fn create_use_destroy(client: Client, daemon: &TestDaemon) -> Outcome {
 }
 
 vm_test!(
-    fn twenty_real_vms_at_once_run_nproc_and_meminfo_and_leave_nothing() {
+    exclusive fn twenty_real_vms_at_once_run_nproc_and_meminfo_and_leave_nothing() {
         // Arrange
         let daemon = real_daemon("", &[]);
         let client = daemon.client();
@@ -116,14 +111,14 @@ vm_test!(
         }
         assert_eq!(daemon.leftovers(&pids), Vec::<String>::new());
         assert_eq!(
-            common::processes_with_arg(daemon.vms_dir().to_str().unwrap()),
+            crate::common::processes_with_arg(daemon.vms_dir().to_str().unwrap()),
             Vec::<u32>::new()
         );
     }
 );
 
 vm_test!(
-    fn a_guest_allocating_past_its_ram_is_oom_killed_inside_and_the_vmm_stays_under_its_limit() {
+    exclusive fn a_guest_allocating_past_its_ram_is_oom_killed_inside_and_the_vmm_stays_under_its_limit() {
         // Arrange
         let daemon = real_daemon("", &[]);
         let client = daemon.client();
@@ -169,7 +164,7 @@ vm_test!(
 );
 
 vm_test!(
-    fn two_spinning_vcpus_with_quota_half_use_at_most_0_6_cpu() {
+    exclusive fn two_spinning_vcpus_with_quota_half_use_at_most_0_6_cpu() {
         // Arrange
         let daemon = real_daemon("", &[]);
         let client = daemon.client();
@@ -253,7 +248,7 @@ vm_test!(
         let client = daemon.client();
         let rt = rt();
         let sb = rt.block_on(client.create(&small(64))).unwrap();
-        let stream_rt = common::rt();
+        let stream_rt = crate::common::rt();
         let mut stream = stream_rt
             .block_on(client.exec(
                 &sb.id,
@@ -313,7 +308,7 @@ vm_test!(
 
         // Act
         daemon.kill9();
-        let running_meanwhile = common::alive(vmm);
+        let running_meanwhile = crate::common::alive(vmm);
         daemon.spawn(&[]);
         let after = rt.block_on(client.get(&sb.id));
 
@@ -360,9 +355,9 @@ vm_test!(
 
 /// Every scratch disk under the daemon's VM runtime root.
 fn scratch_disks(vms: &std::path::Path) -> Vec<std::path::PathBuf> {
-    common::list(vms)
+    crate::common::list(vms)
         .iter()
-        .flat_map(|sandbox| common::list(sandbox))
+        .flat_map(|sandbox| crate::common::list(sandbox))
         .map(|runtime| runtime.join("scratch.ext4"))
         .filter(|path| path.exists())
         .collect()
@@ -375,11 +370,12 @@ fn scratch_disks(vms: &std::path::Path) -> Vec<std::path::PathBuf> {
 #[test]
 fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pause_and_delete_removes_it(
 ) {
-    let _serial = serial();
     // Prepared here: inside the test host only the paths are computed.
     let rootfs = bulkhead_tests::artifacts().debian_image();
     bulkhead_tests::in_vm_host(
-        "a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pause_and_delete_removes_it",
+        &test_path!(
+            a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pause_and_delete_removes_it
+        ),
         || {
             // Arrange (the daemon formats scratch disks with the test host's `mkfs.ext4`)
             let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
@@ -598,7 +594,7 @@ vm_test!(
                 .stdout,
         );
         let exec = |args: &[&str]| {
-            let mut cmd = std::process::Command::new(common::cli());
+            let mut cmd = std::process::Command::new(crate::common::cli());
             cmd.args(["exec", "--socket"])
                 .arg(&daemon.socket)
                 .arg("-i")
@@ -644,11 +640,11 @@ vm_test!(
         let daemon = real_daemon("", &["--mount-root", root.path().to_str().unwrap()]);
 
         // Act
-        let out = common::real::run_python_sdk_suite(&daemon, root.path());
+        let out = crate::common::real::run_python_sdk_suite(&daemon, root.path());
 
         // Assert
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let ran = format!("Ran {} tests", common::real::PYTHON_SDK_TESTS);
+        let ran = format!("Ran {} tests", crate::common::real::PYTHON_SDK_TESTS);
         assert!(
             out.status.success() && stderr.contains(&ran) && stderr.trim_end().ends_with("OK"),
             "{}\n{}\n--- daemon\n{}",

@@ -2,17 +2,16 @@
 //! test host when this machine's KVM cannot boot guests (see the `bulkhead-tests` harness): the
 //! issue's acceptance tree goes into the guest and comes back out identical.
 
-mod common;
-
 use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{symlink, FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
+use crate::common::real::{real_daemon, sh, small, vm_logs};
+use crate::common::rt;
+use crate::test_path;
 use bulkhead_protocol::archive::{self, PackOptions, UnpackOptions};
-use common::real::{real_daemon, sh, small, vm_logs};
-use common::rt;
 
 const GIB: u64 = 1 << 30;
 
@@ -55,7 +54,7 @@ fn assert_same(got: &[bulkhead_tests::tree::Entry], want: &[bulkhead_tests::tree
 #[test]
 fn the_acceptance_tree_goes_into_a_real_guest_and_comes_back_identical() {
     bulkhead_tests::in_vm_host(
-        "the_acceptance_tree_goes_into_a_real_guest_and_comes_back_identical",
+        &test_path!(the_acceptance_tree_goes_into_a_real_guest_and_comes_back_identical),
         || {
             // Arrange
             let daemon = real_daemon("", &[]);
