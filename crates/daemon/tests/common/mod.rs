@@ -105,9 +105,21 @@ impl TestDaemon {
             .unwrap();
         self.child = Some(child);
         let mut buf = [0u8; 256];
-        let n = notify
-            .recv(&mut buf)
-            .unwrap_or_else(|e| panic!("no READY=1 from bulkheadd: {e}\n{}", self.log()));
+        // A signal for another thread of the test process can interrupt the wait (seen with four
+        // tests at a time): it goes on, within the read timeout.
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let n = loop {
+            match notify.recv(&mut buf) {
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::Interrupted && Instant::now() < deadline => {
+                }
+                result => {
+                    break result.unwrap_or_else(|e| {
+                        panic!("no READY=1 from bulkheadd: {e}\n{}", self.log())
+                    })
+                }
+            }
+        };
         assert!(String::from_utf8_lossy(&buf[..n]).contains("READY=1"));
     }
 
