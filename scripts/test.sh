@@ -165,8 +165,8 @@ stage "tests skipped here" list_skipped
 stage "Python SDK unit tests (sdk/python)" \
     env PYTHONPATH=sdk/python/src:sdk/python PYTHONDONTWRITEBYTECODE=1 \
     python3 -m unittest discover --quiet -s sdk/python/tests -t sdk/python
-# Four tests at a time: the guest-level tests spend most of their time waiting on nested guests
-# (QEMU's vCPU threads were about half busy with two at a time), so four keep both CPUs busy.
+# Four tests at a time: the guest-level tests run in one test host per CPU (one test host keeps
+# about one core busy, however many guests run in it), two tests in each.
 run_tests() {
     cargo test --workspace --no-fail-fast -- --test-threads="${BULKHEAD_TEST_THREADS:-4}" \
         "${SKIP_ROOT[@]}" 2>&1 | tee "$TEST_LOG"

@@ -17,7 +17,7 @@ use crate::{artifacts, containerd, python, target_dir, workspace_root};
 
 /// Test hosts booted by this process so far (a dead one replaced counts again); a host's number
 /// in the test log is this count at its boot.
-pub(crate) static STARTED: AtomicUsize = AtomicUsize::new(0);
+static STARTED: AtomicUsize = AtomicUsize::new(0);
 
 /// One place for a test host: the host once booted, with its number.
 type Slot = Mutex<Option<(Arc<TestHost>, usize)>>;

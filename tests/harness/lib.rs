@@ -202,6 +202,17 @@ fn log_uncaptured(text: &str) {
 /// ([`TestHost::longest_silence`]): how close a healthy test host came to being declared frozen.
 static LONGEST_SILENCE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// The path of test function `name` as libtest lists it in the calling test binary
+/// (`module::test`, the crate's name left out): what [`in_vm_host`] re-runs with `--exact`
+/// inside the test host.
+#[macro_export]
+macro_rules! test_path {
+    ($name:ident) => {{
+        let path = concat!(module_path!(), "::", stringify!($name));
+        path.split_once("::").map_or(path, |(_, rest)| rest)
+    }};
+}
+
 /// Declares a guest-level test: `guest_test!(fn name() { ... })` runs the body through
 /// [`in_vm_host`].
 #[macro_export]
@@ -210,9 +221,7 @@ macro_rules! guest_test {
         $(#[$meta])*
         #[test]
         fn $name() {
-            let path = concat!(module_path!(), "::", stringify!($name));
-            let name = path.split_once("::").map(|(_, rest)| rest).unwrap_or(path);
-            $crate::in_vm_host(name, || $body);
+            $crate::in_vm_host($crate::test_path!($name), || $body);
         }
     };
 }

@@ -11,18 +11,6 @@ use bulkhead_tests::artifacts;
 
 use super::{rt, TestDaemon};
 
-/// The test's name as libtest lists it in this binary (`module::test`): what
-/// `bulkhead_tests::in_vm_host` re-runs with `--exact` inside the test host.
-#[macro_export]
-macro_rules! test_path {
-    ($name:ident) => {{
-        let path = concat!(module_path!(), "::", stringify!($name));
-        path.split_once("::")
-            .map_or(path, |(_, rest)| rest)
-            .to_owned()
-    }};
-}
-
 /// Declares a test whose body boots real guests: through `bulkhead_tests::in_vm_host` (beside
 /// other tests in one of the shared test hosts), or with `exclusive fn` through
 /// `bulkhead_tests::in_vm_host_alone`, for the tests that need a whole test host (twenty guests
@@ -33,14 +21,14 @@ macro_rules! vm_test {
         $(#[$meta])*
         #[test]
         fn $name() {
-            bulkhead_tests::in_vm_host(&$crate::test_path!($name), || $body);
+            bulkhead_tests::in_vm_host(bulkhead_tests::test_path!($name), || $body);
         }
     };
     ($(#[$meta:meta])* exclusive fn $name:ident() $body:block) => {
         $(#[$meta])*
         #[test]
         fn $name() {
-            bulkhead_tests::in_vm_host_alone(&$crate::test_path!($name), || $body);
+            bulkhead_tests::in_vm_host_alone(bulkhead_tests::test_path!($name), || $body);
         }
     };
 }

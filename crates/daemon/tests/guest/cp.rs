@@ -10,8 +10,8 @@ use std::path::Path;
 
 use crate::common::real::{real_daemon, sh, small, vm_logs};
 use crate::common::rt;
-use crate::test_path;
 use bulkhead_protocol::archive::{self, PackOptions, UnpackOptions};
+use bulkhead_tests::test_path;
 
 const GIB: u64 = 1 << 30;
 
@@ -54,7 +54,7 @@ fn assert_same(got: &[bulkhead_tests::tree::Entry], want: &[bulkhead_tests::tree
 #[test]
 fn the_acceptance_tree_goes_into_a_real_guest_and_comes_back_identical() {
     bulkhead_tests::in_vm_host(
-        &test_path!(the_acceptance_tree_goes_into_a_real_guest_and_comes_back_identical),
+        test_path!(the_acceptance_tree_goes_into_a_real_guest_and_comes_back_identical),
         || {
             // Arrange
             let daemon = real_daemon("", &[]);

@@ -8,8 +8,9 @@ use crate::common::real::{
     small, vm_logs,
 };
 use crate::common::{rt, wait_until};
-use crate::{test_path, vm_test};
+use crate::vm_test;
 use bulkhead_client::SandboxState;
+use bulkhead_tests::test_path;
 
 vm_test!(
     fn a_paused_real_vm_has_no_vmm_and_resumes_with_its_files_and_processes() {
@@ -210,7 +211,7 @@ fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
     // Prepared here: inside the test host only the paths are computed.
     let rootfs = bulkhead_tests::artifacts().debian_image();
     bulkhead_tests::in_vm_host(
-        &test_path!(a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes),
+        test_path!(a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes),
         || {
             // Arrange
             let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use crate::common::real::{create, http_server, multi_rt, real_daemon, small, vm_logs};
 use crate::common::{cgroup_file, rt, wait_until, TestDaemon};
-use crate::{test_path, vm_test};
+use crate::vm_test;
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
+use bulkhead_tests::test_path;
 
 /// Sandboxes booted at once by the concurrency test (the acceptance number).
 const CONCURRENT_VMS: usize = 20;
@@ -373,7 +374,7 @@ fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pa
     // Prepared here: inside the test host only the paths are computed.
     let rootfs = bulkhead_tests::artifacts().debian_image();
     bulkhead_tests::in_vm_host(
-        &test_path!(
+        test_path!(
             a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pause_and_delete_removes_it
         ),
         || {
