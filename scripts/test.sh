@@ -73,7 +73,9 @@ fi
 
 TIMES="$(mktemp)"
 TEST_LOG="$(mktemp)"
-trap 'summary; rm -f "$TIMES" "$TEST_LOG"' EXIT
+# The summary never changes the exit status: a pipe in it that ends early (SIGPIPE, 141) under
+# `set -e` would otherwise turn a passing run into a failing one.
+trap 'rc=$?; set +e; summary; rm -f "$TIMES" "$TEST_LOG"; exit "$rc"' EXIT
 START=$SECONDS
 
 # stage NAME COMMAND...: runs COMMAND, logging NAME first and its wall time in the summary.
@@ -106,7 +108,7 @@ summary() {
     awk '/^guest boots: / && match($0, / in [^ ]+ \([0-9.]+ s\)/) {
             split(substr($0, RSTART + 4, RLENGTH - 4), p, " ")
             printf "%6d s  %s\n", substr(p[2], 2) + 0.5, p[1]
-        }' "$TEST_LOG" | sort -rn | head -n 15
+        }' "$TEST_LOG" | sort -rn | awk 'NR <= 15'
     echo "==> guest boots (cargo test)"
     awk '
         /^guest boots: / {
