@@ -22,21 +22,26 @@ static STARTED: AtomicUsize = AtomicUsize::new(0);
 /// One place for a test host: the host once booted, with its number.
 type Slot = Mutex<Option<(Arc<TestHost>, usize)>>;
 
-/// Who uses which place: tests holding a [`Lease`] on it, whether one holds it alone, and
-/// whether one waits to hold it alone (no new tests go there meanwhile).
-#[derive(Default)]
-struct Use {
-    busy: Vec<usize>,
-    alone: Vec<bool>,
-    draining: Vec<bool>,
+/// Who uses one place.
+#[derive(Clone, Copy, Default)]
+struct PlaceUse {
+    /// Tests holding a [`Lease`] on it.
+    busy: usize,
+    /// One of them holds it alone.
+    alone: bool,
+    /// A test waits to hold it alone: no new tests go there meanwhile.
+    draining: bool,
 }
+
+/// Who uses which place, by slot.
+struct Use(Vec<PlaceUse>);
 
 impl Use {
     /// The least busy place open to new tests (the first one on a tie).
     fn open(&self) -> Option<usize> {
-        (0..self.busy.len())
-            .filter(|&i| !self.alone[i] && !self.draining[i])
-            .min_by_key(|&i| self.busy[i])
+        (0..self.0.len())
+            .filter(|&i| !self.0[i].alone && !self.0[i].draining)
+            .min_by_key(|&i| self.0[i].busy)
     }
 }
 
@@ -59,12 +64,7 @@ fn slots() -> &'static [Slot] {
 fn usage() -> &'static (Mutex<Use>, Condvar) {
     static USAGE: OnceLock<(Mutex<Use>, Condvar)> = OnceLock::new();
     USAGE.get_or_init(|| {
-        let n = count();
-        let usage = Use {
-            busy: vec![0; n],
-            alone: vec![false; n],
-            draining: vec![false; n],
-        };
+        let usage = Use(vec![PlaceUse::default(); count()]);
         (Mutex::new(usage), Condvar::new())
     })
 }
@@ -98,14 +98,14 @@ pub(crate) fn lease(alone: bool) -> Lease {
         }
     };
     if alone {
-        u.draining[slot] = true;
-        while u.busy[slot] > 0 {
+        u.0[slot].draining = true;
+        while u.0[slot].busy > 0 {
             u = changed.wait(u).unwrap_or_else(|p| p.into_inner());
         }
-        u.draining[slot] = false;
-        u.alone[slot] = true;
+        u.0[slot].draining = false;
+        u.0[slot].alone = true;
     }
-    u.busy[slot] += 1;
+    u.0[slot].busy += 1;
     drop(u);
     let place = Place { slot, alone };
     let (host, number) = current_or_new(&slots()[slot], None);
@@ -138,9 +138,10 @@ impl Drop for Place {
     fn drop(&mut self) {
         let (usage, changed) = usage();
         let mut u = usage.lock().unwrap_or_else(|p| p.into_inner());
-        u.busy[self.slot] -= 1;
+        let place = &mut u.0[self.slot];
+        place.busy -= 1;
         if self.alone {
-            u.alone[self.slot] = false;
+            place.alone = false;
         }
         changed.notify_all();
     }
@@ -211,14 +212,16 @@ fn start() -> TestHost {
 
 #[cfg(test)]
 mod tests {
-    use super::Use;
+    use super::{PlaceUse, Use};
 
     fn usage(busy: &[usize]) -> Use {
-        Use {
-            busy: busy.to_vec(),
-            alone: vec![false; busy.len()],
-            draining: vec![false; busy.len()],
-        }
+        Use(busy
+            .iter()
+            .map(|&busy| PlaceUse {
+                busy,
+                ..PlaceUse::default()
+            })
+            .collect())
     }
 
     #[test]
@@ -230,11 +233,11 @@ mod tests {
         // Act / Assert
         assert_eq!(u.open(), Some(1), "the least busy one");
         assert_eq!(even.open(), Some(0), "the first one on a tie");
-        u.draining[1] = true;
+        u.0[1].draining = true;
         assert_eq!(u.open(), Some(0), "not one that drains for a test alone");
-        u.alone[0] = true;
+        u.0[0].alone = true;
         assert_eq!(u.open(), Some(2), "not one that a test holds alone");
-        u.alone[2] = true;
+        u.0[2].alone = true;
         assert_eq!(u.open(), None, "none open: the test waits");
     }
 }

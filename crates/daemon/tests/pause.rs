@@ -6,8 +6,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use bulkhead_client::{Client, CreateSandbox, ExecSpec, MountSpec, SandboxInfo, SandboxState};
-use common::{alive, list, rt, spec_with_labels, TestDaemon};
+use bulkhead_client::{Client, CreateSandbox, ExecSpec, MountSpec, SandboxState};
+use common::{alive, api_error, list, rt, spec_with_labels, TestDaemon};
 
 /// `<state>/paused/<id>`.
 fn saved_vm(daemon: &TestDaemon, id: &str) -> PathBuf {
@@ -31,18 +31,6 @@ async fn exec_parent(client: &Client, id: &str) -> String {
         .await
         .unwrap();
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-/// The status and code of an API error.
-fn api_error(result: Result<SandboxInfo, bulkhead_client::Error>) -> (u16, String, String) {
-    match result {
-        Err(bulkhead_client::Error::Api {
-            status,
-            code,
-            message,
-        }) => (status, code, message),
-        other => panic!("expected an API error, got {other:?}"),
-    }
 }
 
 #[test]

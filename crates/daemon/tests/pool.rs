@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use bulkhead_client::{Client, CreateSandbox, ExecSpec, PoolStatus, SandboxInfo};
-use common::{alive, cgroup_file, list, rt, spec_with_labels, wait_until, TestDaemon};
+use bulkhead_client::{Client, CreateSandbox, ExecSpec, PoolStatus};
+use common::{alive, api_error, cgroup_file, list, rt, spec_with_labels, wait_until, TestDaemon};
 
 /// How long a pool of a few fake clones may take to fill.
 const FILL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -104,14 +104,6 @@ fn from_template() -> CreateSandbox {
     CreateSandbox {
         template: Some("base".into()),
         ..CreateSandbox::default()
-    }
-}
-
-/// The status and code of an API error.
-fn api_error(result: Result<SandboxInfo, bulkhead_client::Error>) -> (u16, String) {
-    match result {
-        Err(bulkhead_client::Error::Api { status, code, .. }) => (status, code),
-        other => panic!("expected an API error, got {other:?}"),
     }
 }
 
@@ -311,7 +303,11 @@ fn clones_count_against_max_sandboxes_and_make_room_for_creates() {
         (0, 0),
         "no room left: {full:?}"
     );
-    assert_eq!(third, (429, "too_many_sandboxes".to_owned()));
+    assert_eq!(
+        (third.0, third.1.as_str()),
+        (429, "too_many_sandboxes"),
+        "{third:?}"
+    );
     assert_eq!(pooled.template.as_deref(), Some("base"));
     assert_eq!(
         rt.block_on(client.list(&Default::default())).unwrap().len(),

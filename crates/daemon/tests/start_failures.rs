@@ -8,7 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use bulkhead_client::{Client, CreateSandbox};
-use common::{rt, TestDaemon};
+use common::{api_error, rt, TestDaemon};
 
 /// An executable stand-in for `bulkhead-vmm` in `dir` running the shell `body` (its arguments,
 /// `--config vm.json ...`, are ignored).
@@ -36,14 +36,7 @@ fn daemon_with(dir: &Path, vmm: &Path) -> TestDaemon {
 
 /// Creates a small sandbox; returns (status, code, message) of the refusal.
 fn refusal(client: &Client, request: &CreateSandbox) -> (u16, String, String) {
-    match rt().block_on(client.create(request)) {
-        Err(bulkhead_client::Error::Api {
-            status,
-            code,
-            message,
-        }) => (status, code, message),
-        other => panic!("expected an API error, got {other:?}"),
-    }
+    api_error(rt().block_on(client.create(request)))
 }
 
 #[test]

@@ -316,6 +316,20 @@ pub fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// The status, code and message of the API error that `result` should be (panics otherwise).
+pub fn api_error<T: std::fmt::Debug>(
+    result: Result<T, bulkhead_client::Error>,
+) -> (u16, String, String) {
+    match result {
+        Err(bulkhead_client::Error::Api {
+            status,
+            code,
+            message,
+        }) => (status, code, message),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
 /// A create request with `labels`.
 pub fn spec_with_labels(labels: &[(&str, &str)]) -> CreateSandbox {
     CreateSandbox {

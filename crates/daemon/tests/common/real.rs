@@ -125,6 +125,20 @@ pub fn real_daemon_with_file(config: &str, extra: &[&str]) -> (TestDaemon, PathB
     (daemon, path)
 }
 
+/// A [`real_daemon`] whose image store holds the tests crate's Debian image, and that image's
+/// name for `CreateSandbox::image`. `rootfs` is `bulkhead_tests::artifacts().debian_image()`,
+/// built outside the test host (inside it only the paths are computed).
+pub fn debian_image_daemon(rootfs: &Path) -> (TestDaemon, String) {
+    let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
+    let images = image_dir.parent().expect("<images>");
+    let name = image_dir.file_name().and_then(|n| n.to_str());
+    let name = name.expect("a UTF-8 image name").to_owned();
+    (
+        real_daemon(&format!("images_dir = {images:?}\n"), &[]),
+        name,
+    )
+}
+
 /// The configuration of [`real_daemon`]: a boot timeout for slow nested guests, room for many
 /// sandboxes, and `config` (top-level keys first, then tables).
 pub fn real_config(config: &str) -> String {

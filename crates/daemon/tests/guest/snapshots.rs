@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use crate::common::real::{
-    create, http_server, pool_ready, real_daemon, real_pool_daemon, real_pool_daemon_from, sh,
-    small, vm_logs,
+    create, debian_image_daemon, http_server, pool_ready, real_daemon, real_pool_daemon,
+    real_pool_daemon_from, sh, small, vm_logs,
 };
 use crate::common::{rt, wait_until};
 use crate::vm_test;
@@ -214,14 +214,11 @@ fn a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes() {
         test_path!(a_paused_sandbox_on_the_debian_image_resumes_with_its_files_and_processes),
         || {
             // Arrange
-            let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
-            let images = image_dir.parent().expect("<images>");
-            let name = image_dir.file_name().unwrap().to_str().unwrap();
-            let daemon = real_daemon(&format!("images_dir = {images:?}\n"), &[]);
+            let (daemon, name) = debian_image_daemon(&rootfs);
             let client = daemon.client();
             let rt = rt();
             let spec = bulkhead_client::CreateSandbox {
-                image: Some(name.to_owned()),
+                image: Some(name),
                 ..small(256)
             };
             let sb = create(&daemon, &spec);

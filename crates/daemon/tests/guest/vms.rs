@@ -8,7 +8,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::real::{create, http_server, multi_rt, real_daemon, small, vm_logs};
+use crate::common::real::{
+    create, debian_image_daemon, http_server, multi_rt, real_daemon, small, vm_logs,
+};
 use crate::common::{cgroup_file, rt, wait_until, TestDaemon};
 use crate::vm_test;
 use bulkhead_client::{Client, ExecEvent, ExecSpec, SandboxInfo, SandboxState};
@@ -379,14 +381,11 @@ fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pa
         ),
         || {
             // Arrange (the daemon formats scratch disks with the test host's `mkfs.ext4`)
-            let image_dir = rootfs.parent().expect("<images>/<name>/rootfs.ext4");
-            let images = image_dir.parent().expect("<images>");
-            let name = image_dir.file_name().unwrap().to_str().unwrap();
-            let daemon = real_daemon(&format!("images_dir = {images:?}\n"), &[]);
+            let (daemon, name) = debian_image_daemon(&rootfs);
             let client = daemon.client();
             let rt = rt();
             let spec = bulkhead_client::CreateSandbox {
-                image: Some(name.to_owned()),
+                image: Some(name.clone()),
                 disk_mib: Some(64),
                 ..small(256)
             };
@@ -434,7 +433,7 @@ fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pa
                 .unwrap_or_else(|e| fail("delete", e));
 
             // Assert
-            assert_eq!(sb.image.as_deref(), Some(name));
+            assert_eq!(sb.image.as_deref(), Some(name.as_str()));
             assert_eq!(sb.disk_mib, Some(64));
             assert_eq!(scratch.len(), 1, "one scratch disk while it runs");
             assert_eq!(String::from_utf8_lossy(&python.stdout), "42\n", "{python:?}");
