@@ -123,6 +123,7 @@ fn read_runs(runs: usize) -> (Vec<f64>, Vec<f64>) {
             path: path.clone(),
             read_only: true,
             id: None,
+            backing: None,
         }],
         ..Storage::default()
     };

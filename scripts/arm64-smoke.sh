@@ -65,7 +65,8 @@
 #                            clone with --allow-cidr fetches run-egress's file through its proxy
 #   image-template-disk      template create --image /data/root.ext4 (busybox) --disk 16: the
 #                            preparation's file is on the scratch disk saved with the template;
-#                            each clone reads it and writes its own copy (Debian's arm64
+#                            each clone reads it and writes to a copy-on-write disk of its own
+#                            over it, the saved disk unchanged (Debian's arm64
 #                            mke2fs formats the disk)
 #   daemon-pause-workspace   bulkheadd (cgroups off): a sandbox with a clone workspace writes a
 #                            file there, is paused (its share unmounted in the guest, its VMM
@@ -249,7 +250,11 @@ run_checks_script() {
     echo "export BULKHEAD_VMM=/bin/bulkhead-vmm HOME=/root ${RUN_ENV:-}"
     cat <<'HOST_CHECKS'
 ok() { echo "arm64-smoke: check $1: ok - $2"; }
-# fail NAME DETAIL FILE...: the result line, then each FILE (guest console, outputs).
+# fail NAME DETAIL FILE...: the result line, then each FILE (guest console, outputs), then the
+# emulated host kernel's last messages (a process that died of a signal is reported there with
+# its pc: "unhandled exception" or "segfault". Seen once: bulkhead-vmm died of SIGSEGV before
+# the guest printed anything, in CI's boot-memory check of 2026-12-05; 409 of the same boot in a
+# loop afterwards all passed).
 fail() {
     name=$1 detail=$2
     shift 2
@@ -258,6 +263,8 @@ fail() {
         echo "arm64-smoke: ---- $f"
         cat "$f" 2>/dev/null
     done
+    echo "arm64-smoke: ---- the emulated host's kernel log (last 25 lines)"
+    dmesg | tail -n 25
     echo "arm64-smoke: ---- end of $name"
 }
 # vmm NAME KERNEL INITRD CMDLINE ARGS...: bulkhead-vmm with the guest console in
@@ -552,8 +559,9 @@ else
         /tmp/clone-egress.jsonl /tmp/clone-egress.console
 fi
 # A template on a root filesystem image with a scratch disk: the preparation writes to the
-# scratch disk, which is saved with the template; the first clone writes to its own copy (and
-# syncs), which the second does not see, and the template's saved disk is still there.
+# scratch disk, which is saved with the template; the first clone writes to its own
+# copy-on-write disk over it (and syncs), which the second does not see, and the template's
+# saved disk is unchanged.
 tcall image-create template create arm64-image --image /data/root.ext4 --disk 16 \
     --boot-timeout "$VMM_TIMEOUT" -- sh -c 'echo 42 >/root/answer'
 create_status=$status

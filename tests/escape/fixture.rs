@@ -142,6 +142,7 @@ impl Fixture {
             path: self.path(rel),
             read_only,
             id: None,
+            backing: None,
         };
         let storage = Storage {
             root_image: Some(artifacts().debian_image()),

@@ -77,6 +77,7 @@ fn disk(path: &Path, read_only: bool) -> DiskConfig {
         path: path.to_owned(),
         read_only,
         id: None,
+        backing: None,
     }
 }
 

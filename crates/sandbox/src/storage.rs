@@ -284,6 +284,7 @@ pub(crate) fn prepare(storage: &Storage, runtime_dir: &Path) -> Result<Prepared,
             path: image.clone(),
             read_only: true,
             id: Some("bulkhead-root".to_owned()),
+            backing: None,
         });
         let mut overlay = Overlay::Tmpfs;
         if let Some(mib) = storage.scratch_mib {
@@ -293,6 +294,7 @@ pub(crate) fn prepare(storage: &Storage, runtime_dir: &Path) -> Result<Prepared,
                 path,
                 read_only: false,
                 id: Some("bulkhead-scratch".to_owned()),
+                backing: None,
             });
             overlay = Overlay::Device(SCRATCH_DEVICE.to_owned());
         }
@@ -365,6 +367,7 @@ mod tests {
             path: path.to_owned(),
             read_only,
             id: None,
+            backing: None,
         }
     }
 

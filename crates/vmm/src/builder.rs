@@ -444,6 +444,7 @@ fn block_config(disk: &DiskConfig) -> BlockConfig {
         path: disk.path.clone(),
         read_only: disk.read_only,
         id: disk.id.clone(),
+        backing: disk.backing.clone(),
     }
 }
 

@@ -88,6 +88,9 @@ pub enum Error {
     /// An empty path was given.
     #[error("the {0} path is empty")]
     EmptyPath(&'static str),
+    /// A read-only `--disk` was given a backing image (only a writable disk is copy-on-write).
+    #[error("disk `{0}` is read-only and has a backing image: only a writable disk can")]
+    ReadOnlyBacking(String),
     /// Two shares have the same mount tag (the guest could mount only one of them).
     #[error("the virtio-fs tag `{0}` is given to two shares")]
     DuplicateShareTag(String),
@@ -246,13 +249,29 @@ pub struct DiskConfig {
     /// Serial number the guest reads with GET_ID (at most 20 bytes).
     #[serde(default)]
     pub id: Option<String>,
+    /// A copy-on-write disk: `path` is a new, empty sparse file of this image's size, and what
+    /// the guest has not written is read from this read-only image (shared by many VMs). A
+    /// snapshot copies the rest into `path` and names no backing image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<PathBuf>,
 }
 
 impl FromStr for DiskConfig {
     type Err = Error;
 
-    /// Parses `PATH` or `PATH:ro` (the `--disk` flag).
+    /// Parses `PATH`, `PATH:ro`, or `PATH[:rw]:backing=IMAGE` (the `--disk` flag).
     fn from_str(s: &str) -> Result<Self, Error> {
+        if let Some((disk, backing)) = s.split_once(":backing=") {
+            let mut config: DiskConfig = disk.parse()?;
+            if config.read_only {
+                return Err(Error::ReadOnlyBacking(s.to_owned()));
+            }
+            if backing.is_empty() {
+                return Err(Error::EmptyPath("backing image"));
+            }
+            config.backing = Some(PathBuf::from(backing));
+            return Ok(config);
+        }
         let (path, read_only) = match s.strip_suffix(":ro") {
             Some(path) => (path, true),
             None => (s.strip_suffix(":rw").unwrap_or(s), false),
@@ -264,6 +283,7 @@ impl FromStr for DiskConfig {
             path: PathBuf::from(path),
             read_only,
             id: None,
+            backing: None,
         })
     }
 }
@@ -396,6 +416,26 @@ mod tests {
         assert!(ro.read_only);
         assert!(!rw.read_only);
         assert!(":ro".parse::<DiskConfig>().is_err());
+    }
+
+    #[test]
+    fn a_disk_flag_with_a_backing_image_is_a_writable_copy_on_write_disk() {
+        let cow: DiskConfig = "/run/sb/scratch.ext4:rw:backing=/tpl/disk-0.img"
+            .parse()
+            .unwrap();
+        let short: DiskConfig = "/run/sb/s.img:backing=/tpl/d.img".parse().unwrap();
+        let read_only = "/run/sb/s.img:ro:backing=/tpl/d.img".parse::<DiskConfig>();
+        let empty = "/run/sb/s.img:backing=".parse::<DiskConfig>();
+
+        assert_eq!(cow.path, PathBuf::from("/run/sb/scratch.ext4"));
+        assert_eq!(cow.backing, Some(PathBuf::from("/tpl/disk-0.img")));
+        assert!(!cow.read_only);
+        assert_eq!(short.backing, Some(PathBuf::from("/tpl/d.img")));
+        assert!(
+            matches!(read_only, Err(Error::ReadOnlyBacking(_))),
+            "{read_only:?}"
+        );
+        assert!(matches!(empty, Err(Error::EmptyPath(_))), "{empty:?}");
     }
 
     #[test]

@@ -86,8 +86,9 @@ struct Args {
     #[arg(long, value_name = "PATH")]
     vsock_uds: Option<PathBuf>,
     /// A virtio-blk disk backed by a raw image, `PATH` or `PATH:ro` (repeatable; the first is
-    /// /dev/vda).
-    #[arg(long = "disk", value_name = "PATH[:ro]")]
+    /// /dev/vda). `PATH:backing=IMAGE`: a copy-on-write disk, PATH a new empty sparse file of
+    /// IMAGE's size that takes the guest's writes, IMAGE (read-only, shareable) the rest.
+    #[arg(long = "disk", value_name = "PATH[:ro|:backing=IMAGE]")]
     disks: Vec<DiskConfig>,
     /// Share a host directory with virtio-fs, `TAG=HOST_DIR[:ro]` (repeatable); the guest mounts
     /// it with `mount -t virtiofs TAG DIR`. Read-only is enforced by the VMM.

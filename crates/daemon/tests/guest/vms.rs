@@ -416,9 +416,12 @@ fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pa
                 "-c",
                 "cat /root/note.txt && dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null && sync && md5sum /root/blob",
             ]);
-            let allocated = std::fs::metadata(&scratch[0])
-                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
-                .unwrap_or(0);
+            let allocated = |disk: &std::path::Path| {
+                std::fs::metadata(disk)
+                    .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+                    .unwrap_or(0)
+            };
+            let allocated_before_pause = allocated(&scratch[0]);
             rt.block_on(client.pause(&sb.id))
                 .unwrap_or_else(|e| fail("pause", e));
             let scratch_while_paused = scratch_disks(&daemon.vms_dir());
@@ -429,6 +432,18 @@ fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pa
                 .unwrap_or_else(|e| fail("resume", e));
             let read_back = collect(&["sh", "-c", "cat /root/note.txt && md5sum /root/blob"]);
             let scratch_after_resume = scratch_disks(&daemon.vms_dir());
+            // The resumed VM's disk is copy-on-write over the saved one: it holds what the VM
+            // wrote since, not the 16 MiB from before; a second pause makes it whole.
+            let allocated_after_resume = allocated(&scratch_after_resume[0]);
+            collect(&["sh", "-c", "echo second > /root/second && sync"]);
+            rt.block_on(client.pause(&sb.id))
+                .unwrap_or_else(|e| fail("second pause", e));
+            let resumed_again = rt
+                .block_on(client.resume(&sb.id))
+                .unwrap_or_else(|e| fail("second resume", e));
+            let script = "cat /root/note.txt /root/second && md5sum /root/blob";
+            let read_after_two = collect(&["sh", "-c", script]);
+            let scratch_after_two = scratch_disks(&daemon.vms_dir());
             rt.block_on(client.delete(&sb.id))
                 .unwrap_or_else(|e| fail("delete", e));
 
@@ -440,18 +455,34 @@ fn a_sandbox_on_the_debian_image_writes_to_its_scratch_disk_keeps_it_across_a_pa
             let written = String::from_utf8_lossy(&written.stdout).into_owned();
             assert!(written.starts_with("kept") && written.contains("/root/blob"), "{written}");
             assert!(
-                allocated >= 16 << 20,
-                "the guest's 16 MiB did not land on the scratch disk ({allocated} bytes allocated)"
+                allocated_before_pause >= 16 << 20,
+                "the guest's 16 MiB did not land on the scratch disk \
+                 ({allocated_before_pause} bytes allocated)"
             );
             assert_eq!(scratch_while_paused, Vec::<std::path::PathBuf>::new());
             assert!(saved_while_paused, "no {} while paused", saved_disk.display());
             assert_eq!(String::from_utf8_lossy(&read_back.stdout), written);
             assert_eq!(scratch_after_resume.len(), 1, "the resumed VM's scratch disk");
-            for disk in scratch.iter().chain(&scratch_after_resume) {
+            assert!(
+                allocated_after_resume < 8 << 20,
+                "the resumed VM's disk was copied ({allocated_after_resume} bytes allocated)"
+            );
+            // note.txt has no newline: "kept", then md5sum's line.
+            let md5_line = written.strip_prefix("kept").unwrap_or_default();
+            assert_eq!(
+                String::from_utf8_lossy(&read_after_two.stdout),
+                format!("keptsecond\n{md5_line}"),
+                "after a second pause and resume"
+            );
+            for disk in scratch.iter().chain(&scratch_after_resume).chain(&scratch_after_two) {
                 assert!(!disk.exists(), "DELETE left {}", disk.display());
             }
             assert_eq!(
-                daemon.leftovers(&[sb.vmm_pid.unwrap(), resumed.vmm_pid.unwrap()]),
+                daemon.leftovers(&[
+                    sb.vmm_pid.unwrap(),
+                    resumed.vmm_pid.unwrap(),
+                    resumed_again.vmm_pid.unwrap()
+                ]),
                 Vec::<String>::new()
             );
         },

@@ -5,8 +5,11 @@
 //!
 //! A writable disk of the sandbox's own (its scratch disk, in its runtime directory) is saved
 //! with the snapshot: moved into the snapshot directory as `disk-<index>.img`, and every restore
-//! writes to its own hole-keeping copy of it in its runtime directory. A restore refuses any
-//! other writable disk (a data disk of the caller's), which every clone would write to at once.
+//! gets a copy-on-write disk over it (bulkhead-vmm's `--disk OVERLAY:backing=SAVED`): a new
+//! empty sparse overlay in its runtime directory takes the clone's writes, the saved disk, shared
+//! read-only by every clone, the rest; nothing is copied before the clone runs. A snapshot of
+//! the clone makes its overlay whole first. A restore refuses any other writable disk (a data
+//! disk of the caller's), which every clone would write to at once.
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -34,7 +37,7 @@ pub struct DiskIdentity {
     /// Its modification time, ns since the Unix epoch: a file written in place differs.
     pub modified_ns: i128,
     /// For a writable disk saved with the snapshot: its file in the snapshot directory (the
-    /// disk's contents at the snapshot, `size` bytes), which each restore copies.
+    /// disk's contents at the snapshot, `size` bytes), each restore's backing image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub saved: Option<String>,
 }
@@ -102,12 +105,13 @@ pub(super) fn save_own(
 }
 
 /// The `--disk` arguments of a restore of the snapshot in `dir` into the runtime directory
-/// `runtime`: each saved disk copied there (holes kept) under its file's name (`scratch.ext4`,
-/// where the daemon looks for a dead VM's scratch disk), every other disk at its path. Empty
-/// when no disk was saved (the VMM then opens the saved paths).
+/// `runtime`: for each saved disk a copy-on-write disk, its overlay a new sparse file there
+/// under the disk's file name (`scratch.ext4`, where the daemon looks for a dead VM's scratch
+/// disk) over the saved file; every other disk at its path. Empty when no disk was saved (the
+/// VMM then opens the saved paths).
 ///
 /// # Errors
-/// [`Error::Snapshot`] when a saved disk cannot be copied.
+/// [`Error::Snapshot`] when an overlay cannot be created.
 pub(super) fn restore_args(
     dir: &Path,
     runtime: &Path,
@@ -118,23 +122,44 @@ pub(super) fn restore_args(
     }
     let mut args = Vec::new();
     for disk in disks {
-        let mut arg = match &disk.saved {
+        let arg = match &disk.saved {
             Some(name) => {
-                let copy = match disk.path.file_name().map(|n| runtime.join(n)) {
+                let overlay = match disk.path.file_name().map(|n| runtime.join(n)) {
                     Some(path) if !path.exists() => path,
                     _ => runtime.join(name),
                 };
-                files::copy_sparse(&dir.join(name), &copy).map_err(|e| {
-                    Error::Snapshot(format!("cannot copy the saved disk {name}: {e}"))
+                new_overlay(&overlay, disk.size).map_err(|e| {
+                    Error::Snapshot(format!(
+                        "cannot create the disk {} over the saved disk {name}: {e}",
+                        overlay.display()
+                    ))
                 })?;
-                copy.into_os_string()
+                let mut arg = overlay.into_os_string();
+                arg.push(":rw:backing=");
+                arg.push(dir.join(name));
+                arg
             }
-            None => disk.path.clone().into_os_string(),
+            None => {
+                let mut arg = disk.path.clone().into_os_string();
+                arg.push(if disk.read_only { ":ro" } else { ":rw" });
+                arg
+            }
         };
-        arg.push(if disk.read_only { ":ro" } else { ":rw" });
         args.extend(["--disk".into(), arg]);
     }
     Ok(args)
+}
+
+/// A new empty sparse file of `size` bytes at `path`, mode 0600 (the overlay of a copy-on-write
+/// disk).
+fn new_overlay(path: &Path, size: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?
+        .set_len(size)
 }
 
 /// Refuses a restore of the snapshot in `dir` whose `disks` cannot be used as they are: a
@@ -222,7 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn an_own_writable_disk_is_saved_and_each_restore_gets_a_copy_of_it() {
+    fn an_own_writable_disk_is_saved_and_each_restore_gets_an_overlay_over_it() {
         // Arrange: a read-only image outside the runtime directory, a scratch disk inside it.
         let root = tempfile::tempdir().unwrap();
         let (runtime, snapshot, clone) = (
@@ -246,9 +271,9 @@ mod tests {
         save_own(&snapshot, &runtime, &mut disks).unwrap();
         let checked = check(&snapshot, &disks);
         let args = restore_args(&snapshot, &clone, &disks).unwrap();
-        let copied = fs::read(clone.join("scratch.ext4")).unwrap();
-        fs::write(clone.join("scratch.ext4"), b"the clone's own files").unwrap();
-        let saved_after_the_clone_wrote = fs::read(snapshot.join("disk-1.img")).unwrap();
+        let overlay = fs::read(clone.join("scratch.ext4")).unwrap();
+        let again = restore_args(&snapshot, &clone, &disks).unwrap();
+        let saved_after_two_restores = fs::read(snapshot.join("disk-1.img")).unwrap();
         let truncated = fs::write(snapshot.join("disk-1.img"), b"short");
         let damaged = check(&snapshot, &disks);
 
@@ -260,18 +285,28 @@ mod tests {
         );
         assert_eq!(disks[1].saved.as_deref(), Some("disk-1.img"));
         let args: Vec<String> = args.iter().map(|a| a.to_string_lossy().into()).collect();
-        let copy = clone.join("scratch.ext4");
+        let saved = snapshot.join("disk-1.img");
+        let overlay_arg = |file: &str| {
+            let path = clone.join(file);
+            format!("{}:rw:backing={}", path.display(), saved.display())
+        };
         assert_eq!(
             args,
             [
                 "--disk".to_owned(),
                 format!("{}:ro", image.display()),
                 "--disk".to_owned(),
-                format!("{}:rw", copy.display()),
+                overlay_arg("scratch.ext4"),
             ]
         );
-        assert_eq!(copied, b"the guest's files");
-        assert_eq!(saved_after_the_clone_wrote, b"the guest's files");
+        assert_eq!(
+            overlay,
+            vec![0; b"the guest's files".len()],
+            "sparse, the disk's size"
+        );
+        let again: Vec<String> = again.iter().map(|a| a.to_string_lossy().into()).collect();
+        assert_eq!(again[3], overlay_arg("disk-1.img"), "scratch.ext4 is taken");
+        assert_eq!(saved_after_two_restores, b"the guest's files");
         truncated.unwrap();
         assert!(message_of(damaged).contains("missing or damaged"));
     }

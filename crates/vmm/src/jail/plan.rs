@@ -58,6 +58,9 @@ impl MountPlan {
         }
         for disk in &vm.disks {
             plan.add(&disk.path, Kind::File, !disk.read_only, false)?;
+            if let Some(backing) = &disk.backing {
+                plan.add(backing, Kind::File, false, false)?;
+            }
         }
         for share in &vm.shares {
             plan.add(&share.path, Kind::Dir, !share.read_only, false)?;
@@ -194,11 +197,13 @@ mod tests {
                     path: "/images/root.ext4".into(),
                     read_only: true,
                     id: None,
+                    backing: None,
                 },
                 DiskConfig {
                     path: "/run/sb-1/scratch.img".into(),
                     read_only: false,
                     id: None,
+                    backing: None,
                 },
             ],
             shares: vec![

@@ -205,6 +205,7 @@ fn merge_disks(saved: &[DiskConfig], given: &[DiskConfig]) -> Result<Vec<DiskCon
             }
             Ok(DiskConfig {
                 path: given.path.clone(),
+                backing: given.backing.clone(),
                 ..saved.clone()
             })
         })
@@ -350,6 +351,7 @@ mod tests {
             path: path.into(),
             read_only,
             id: Some("saved-id".into()),
+            backing: None,
         }
     }
 

@@ -122,8 +122,13 @@ pub(crate) fn save(sources: &SaveSources<'_>, dir: &Path) -> Result<(), Error> {
             source,
         })?;
     let memory = memory::save(sources.mem, &dir.join(MEMORY_FILE))?;
+    let mut config = sources.config.clone();
+    // save_devices made every copy-on-write disk whole: the snapshot needs only its overlay.
+    for disk in &mut config.disks {
+        disk.backing = None;
+    }
     let snapshot = VmSnapshot {
-        config: sources.config.clone(),
+        config,
         vcpus,
         vm,
         devices,

@@ -291,6 +291,15 @@ pub trait VirtioDevice: Send {
         Ok(())
     }
 
+    /// Makes the device's backend ready to be saved, after [`Self::can_snapshot`] agreed (e.g.
+    /// a copy-on-write disk copies what its overlay lacks); the VM may go on running afterwards.
+    ///
+    /// # Errors
+    /// Why the backend cannot be saved, for the user.
+    fn prepare_snapshot(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Tells a device just re-activated from a snapshot (by the transport, in the same lock as
     /// [`Self::activate`], before any vCPU runs) that its queues resume where the saved VM left
     /// them and host-side state (connections, sessions) did not survive.

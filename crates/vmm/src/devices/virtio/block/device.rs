@@ -47,6 +47,9 @@ pub struct BlockConfig {
     /// The device ID the guest reads with GET_ID (Linux: `/sys/block/vdX/serial`), at most
     /// [`ID_BYTES`] (20) bytes. `None` reads as an empty ID.
     pub id: Option<String>,
+    /// A copy-on-write disk: `path` is a new, empty sparse overlay, and what the guest has not
+    /// written comes from this read-only image of the same size ([`super::cow`]).
+    pub backing: Option<PathBuf>,
 }
 
 /// What the driver handed over at DRIVER_OK.
@@ -94,7 +97,10 @@ impl Block {
     /// [`DiskImage::open`]; [`Error::EventFd`].
     pub fn new(config: BlockConfig) -> Result<Block, Error> {
         let id = id_bytes(config.id.as_deref())?;
-        let disk = DiskImage::open(&config.path, config.read_only)?;
+        let mut disk = DiskImage::open(&config.path, config.read_only)?;
+        if let Some(backing) = &config.backing {
+            disk = disk.with_backing(backing)?;
+        }
         let activate_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(Error::EventFd)?;
         Ok(Block {
             config_space: config_space(disk.capacity()),
@@ -111,6 +117,11 @@ impl Block {
     /// The image path.
     pub fn path(&self) -> &Path {
         self.disk.path()
+    }
+
+    /// The backing image of a copy-on-write disk (until a snapshot made the overlay whole).
+    pub fn disk_backing(&self) -> Option<&Path> {
+        self.disk.backing_path()
     }
 
     /// Disk size in 512-byte sectors.
@@ -363,6 +374,14 @@ impl VirtioDevice for Block {
             .iter()
             .map(|active| QueuePosition::of(&active.queue))
             .collect()
+    }
+
+    /// A copy-on-write disk becomes a disk of its own (its overlay made whole), so that the
+    /// snapshot needs nothing but the overlay's file.
+    fn prepare_snapshot(&mut self) -> Result<(), String> {
+        self.disk
+            .flatten()
+            .map_err(|e| format!("virtio-blk {}: {e}", self.disk.path().display()))
     }
 
     /// The disk's size and whether it is read-only; the restored VM reopens its image by path.

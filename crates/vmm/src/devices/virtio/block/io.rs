@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Bytes, GuestMemory, GuestMemoryError, VolatileSlice};
 
+use super::cow::Backing;
 use super::request::{total_len, DiskLimits, Request, Segment};
 use super::{
     Error, ID_BYTES, SECTOR_SHIFT, SECTOR_SIZE, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
@@ -56,16 +57,20 @@ pub enum IoError {
     Offset(u64),
 }
 
-/// A raw disk image: a regular file or a host block device, opened once for the device's life.
+/// A raw disk image: a regular file or a host block device, opened once for the device's life;
+/// optionally the writable overlay of a copy-on-write disk over a read-only backing image
+/// ([`DiskImage::with_backing`], the [`super::cow`] module).
 ///
 /// The image is locked with `flock` — exclusively when writable, shared when read-only — so two
-/// VMs (or two disks of one VM) cannot write the same image, while many may read it.
+/// VMs (or two disks of one VM) cannot write the same image, while many may read it (a backing
+/// image too).
 #[derive(Debug)]
 pub struct DiskImage {
     file: File,
     path: PathBuf,
     capacity: u64,
     read_only: bool,
+    backing: Option<Backing>,
 }
 
 impl DiskImage {
@@ -127,7 +132,47 @@ impl DiskImage {
             path: path.to_owned(),
             capacity: size >> SECTOR_SHIFT,
             read_only,
+            backing: None,
         })
+    }
+
+    /// Makes this (writable, empty, sparse) image the overlay of a copy-on-write disk whose
+    /// unwritten clusters come from the read-only image at `backing`, of the same size.
+    ///
+    /// # Errors
+    /// [`Error::ReadOnlyOverlay`] for a read-only image; the errors of [`Backing::open`].
+    pub fn with_backing(mut self, backing: &Path) -> Result<DiskImage, Error> {
+        if self.read_only {
+            return Err(Error::ReadOnlyOverlay(self.path));
+        }
+        let size = self.capacity << SECTOR_SHIFT;
+        self.backing = Some(Backing::open(backing, &self.file, &self.path, size)?);
+        Ok(self)
+    }
+
+    /// The backing image of a copy-on-write disk, until [`Self::flatten`].
+    pub fn backing_path(&self) -> Option<&Path> {
+        self.backing.as_ref().map(Backing::path)
+    }
+
+    /// Makes a copy-on-write disk's overlay the whole disk (every cluster the VM never wrote
+    /// copied from the backing image, then `fdatasync`) and forgets the backing image. Nothing
+    /// to do for a plain image.
+    ///
+    /// # Errors
+    /// [`IoError`] of a copy or of the sync; the disk then stays copy-on-write.
+    pub fn flatten(&mut self) -> Result<(), IoError> {
+        if let Some(backing) = &self.backing {
+            backing.flatten(&self.file)?;
+            self.flush()?;
+            tracing::debug!(
+                "virtio-blk: {} no longer needs {}",
+                self.path.display(),
+                backing.path().display()
+            );
+            self.backing = None;
+        }
+        Ok(())
     }
 
     /// The image path.
@@ -168,11 +213,35 @@ impl DiskImage {
         for seg in data {
             for slice in mem.get_slices(seg.addr, seg.len as usize) {
                 let slice = slice?;
-                pread_exact(&self.file, &slice, offset)?;
+                self.read_slice(&slice, offset)?;
                 offset += slice.len() as u64;
             }
         }
         Ok(total_len(data))
+    }
+
+    /// Fills `slice` from the disk at byte `offset`: from the image, or for a copy-on-write
+    /// disk from the overlay or the backing image, cluster run by cluster run.
+    fn read_slice<B: BitmapSlice>(
+        &self,
+        slice: &VolatileSlice<'_, B>,
+        offset: u64,
+    ) -> Result<(), IoError> {
+        let Some(backing) = &self.backing else {
+            return pread_exact(&self.file, slice, offset);
+        };
+        for run in backing.runs(offset, slice.len() as u64) {
+            let part = slice
+                .subslice((run.offset - offset) as usize, run.len as usize)
+                .map_err(GuestMemoryError::from)?;
+            let file = if run.in_overlay {
+                &self.file
+            } else {
+                backing.file()
+            };
+            pread_exact(file, &part, run.offset)?;
+        }
+        Ok(())
     }
 
     /// Writes the guest buffers `data`, in order, to the image at `sector`.
@@ -189,13 +258,20 @@ impl DiskImage {
         if self.read_only {
             return Err(IoError::ReadOnly);
         }
-        let mut offset = byte_offset(sector)?;
+        let start = byte_offset(sector)?;
+        if let Some(backing) = &self.backing {
+            backing.before_write(&self.file, start, total_len(data))?;
+        }
+        let mut offset = start;
         for seg in data {
             for slice in mem.get_slices(seg.addr, seg.len as usize) {
                 let slice = slice?;
                 pwrite_all(&self.file, &slice, offset)?;
                 offset += slice.len() as u64;
             }
+        }
+        if let Some(backing) = &self.backing {
+            backing.wrote(start, offset - start);
         }
         Ok(())
     }
@@ -373,7 +449,7 @@ fn pwrite_all<B: BitmapSlice>(
 
 /// Takes the image's advisory lock without blocking: exclusive for a writable image, shared for
 /// a read-only one.
-fn lock(file: &File, read_only: bool) -> io::Result<()> {
+pub(super) fn lock(file: &File, read_only: bool) -> io::Result<()> {
     let mode = if read_only {
         libc::LOCK_SH
     } else {

@@ -54,10 +54,12 @@
 //!   queue loop.
 //! - [`request`]: parsing and validating one descriptor chain into a [`Request`].
 //! - [`io`]: the disk image ([`DiskImage`]) and executing a [`Request`] against it.
+//! - [`cow`]: copy-on-write disks, an overlay over a read-only backing image.
 //! - [`event_handler`]: routes event-loop events to the device's methods.
 
 use std::path::PathBuf;
 
+pub mod cow;
 pub mod device;
 pub mod event_handler;
 pub mod io;
@@ -163,6 +165,28 @@ pub enum Error {
         /// Its length in bytes.
         len: usize,
     },
+    /// A copy-on-write disk's backing image is not the disk's size.
+    #[error(
+        "the backing image {path} is {backing} bytes, the disk {disk} bytes: they must be equal"
+    )]
+    BackingSize {
+        /// The backing image.
+        path: PathBuf,
+        /// Its size, bytes.
+        backing: u64,
+        /// The overlay's size, bytes.
+        disk: u64,
+    },
+    /// A copy-on-write disk's overlay holds data already or is not a regular file (it must be a
+    /// new sparse file of the disk's size, on a file system with `SEEK_DATA`).
+    #[error(
+        "the copy-on-write disk {0} is not an empty sparse file (or its file system cannot tell \
+         holes from data)"
+    )]
+    OverlayNotEmpty(PathBuf),
+    /// A read-only disk was given a backing image.
+    #[error("the disk {0} is read-only: only a writable disk can have a backing image")]
+    ReadOnlyOverlay(PathBuf),
     /// Creating the device's activation eventfd failed.
     #[error("cannot create the block device's eventfd: {0}")]
     EventFd(std::io::Error),

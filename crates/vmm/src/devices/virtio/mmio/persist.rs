@@ -106,8 +106,9 @@ impl MmioTransport {
     /// [`Error::SnapshotPositions`] when the device's queue positions do not match its queues.
     pub fn save(&self) -> Result<MmioTransportState, Error> {
         let (positions, device) = {
-            let dev = self.lock_device();
+            let mut dev = self.lock_device();
             dev.can_snapshot().map_err(Error::SnapshotRefused)?;
+            dev.prepare_snapshot().map_err(Error::SnapshotRefused)?;
             let positions = if self.activated {
                 dev.queue_positions()
             } else {

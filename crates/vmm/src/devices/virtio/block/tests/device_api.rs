@@ -146,6 +146,7 @@ fn id_longer_than_20_bytes_is_refused() {
     let (_dir, path) = image_file(&[0u8; 512]);
     let cfg = BlockConfig {
         id: Some("an-identifier-of-21-b".into()),
+        backing: None,
         ..config(&path)
     };
 

@@ -168,6 +168,7 @@ fn get_id_returns_the_configured_id_nul_padded() {
     let (dir, path) = image_file(&[0u8; 512]);
     let cfg = BlockConfig {
         id: Some("scratch-disk".into()),
+        backing: None,
         ..config(&path)
     };
     let mut h = Harness::with_config(dir, cfg);
@@ -188,6 +189,7 @@ fn get_id_of_twenty_bytes_has_no_terminator_and_no_id_reads_as_empty() {
     let (dir, path) = image_file(&[0u8; 512]);
     let full = BlockConfig {
         id: Some("0123456789abcdefghij".into()),
+        backing: None,
         ..config(&path)
     };
     let mut with_id = Harness::with_config(dir, full);

@@ -6,6 +6,7 @@
 
 use crate::devices::virtio::test_driver as driver;
 
+mod cow;
 mod device_api;
 mod hostile;
 mod io_path;
@@ -46,6 +47,7 @@ pub fn config(path: &Path) -> BlockConfig {
         path: path.to_owned(),
         read_only: false,
         id: None,
+        backing: None,
     }
 }
 

@@ -154,6 +154,7 @@ fn disk_image(dir: &Path) -> BlockConfig {
         path: dir.join("disk.raw"),
         read_only: false,
         id: None,
+        backing: None,
     }
 }
 
