@@ -9,11 +9,13 @@
 set -e
 B=target/release/bulkhead
 OUT=${OUT:-/tmp}
+D=/root/.local/share/bulkhead
 export BULKHEAD_DATA_DIR=/run/bh-bench
 mkdir -p "$BULKHEAD_DATA_DIR"
 prepare='head -c 104857600 /dev/urandom > /root/blob && sync'
-$B template create ram --image "$IMAGE" --memory 512 --share-slots 0 --boot-timeout 300 -- sh -c "$prepare"
-$B template create disk --image "$IMAGE" --memory 512 --disk 512 --share-slots 0 --boot-timeout 300 -- sh -c "$prepare"
+boot="--kernel $D/kernel/x86_64/vmlinux --initrd $D/images/default/initramfs.cpio.lz4"
+$B template create ram $boot --image "$IMAGE" --memory 512 --share-slots 0 --boot-timeout 300 -- sh -c "$prepare"
+$B template create disk $boot --image "$IMAGE" --memory 512 --disk 512 --share-slots 0 --boot-timeout 300 -- sh -c "$prepare"
 du -sh "$BULKHEAD_DATA_DIR"/templates/*
 for t in ram disk; do
     $B bench --runs 8 --template "$t" --boot-timeout 300 --json "$OUT/bench-2026-12-06-testhost-template-$t-cow.json"
