@@ -143,21 +143,27 @@ pub(crate) fn save(sources: &SaveSources<'_>, dir: &Path) -> Result<(), Error> {
     })
 }
 
+/// Every device's state; first asks each whether it can be saved now, so that none does work
+/// for a snapshot (a copy-on-write disk's copy) that another device then refuses.
 fn save_devices(
     transports: &[Arc<Mutex<MmioTransport>>],
 ) -> Result<Vec<crate::devices::virtio::mmio::persist::MmioTransportState>, Error> {
+    fn lock(t: &Mutex<MmioTransport>) -> std::sync::MutexGuard<'_, MmioTransport> {
+        t.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    let device_err = |index| {
+        move |e: crate::devices::virtio::mmio::Error| Error::Device {
+            index,
+            reason: e.to_string(),
+        }
+    };
+    for (index, t) in transports.iter().enumerate() {
+        lock(t).check_snapshot().map_err(device_err(index))?;
+    }
     transports
         .iter()
         .enumerate()
-        .map(|(index, t)| {
-            t.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .save()
-                .map_err(|e| Error::Device {
-                    index,
-                    reason: e.to_string(),
-                })
-        })
+        .map(|(index, t)| lock(t).save().map_err(device_err(index)))
         .collect()
 }
 

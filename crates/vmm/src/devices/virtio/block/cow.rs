@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use super::io::{lock, IoError};
-use super::Error;
+use super::{Error, SECTOR_SIZE};
 
 /// Bytes per cluster, the unit of copy-on-write (64 KiB, as qcow2's default cluster).
 pub const CLUSTER_BYTES: u64 = 64 << 10;
@@ -79,6 +79,8 @@ impl Backing {
             path: path.to_owned(),
             source,
         })?;
+        // Whole sectors, as the overlay's size (a trailing part sector is never read).
+        let backing_size = backing_size & !(SECTOR_SIZE - 1);
         if backing_size != size {
             return Err(Error::BackingSize {
                 path: path.to_owned(),
@@ -167,7 +169,8 @@ impl Backing {
     }
 
     /// Records that the overlay now holds every cluster `[offset, offset + len)` touches (the
-    /// partly covered ones were copied up by [`Self::before_write`]).
+    /// partly covered ones were copied up by [`Self::before_write`]), also after a write that
+    /// failed part way.
     pub fn wrote(&self, offset: u64, len: u64) {
         if len == 0 {
             return;

@@ -259,9 +259,27 @@ impl DiskImage {
             return Err(IoError::ReadOnly);
         }
         let start = byte_offset(sector)?;
+        let len = total_len(data);
         if let Some(backing) = &self.backing {
-            backing.before_write(&self.file, start, total_len(data))?;
+            backing.before_write(&self.file, start, len)?;
         }
+        let written = self.write_segments(mem, start, data);
+        // Also after a failed write: the clusters it covers whole may hold part of its data,
+        // which must not mix with the backing image later; their contents are undefined for
+        // the guest (the request failed), and the partly covered ones were copied up before.
+        if let Some(backing) = &self.backing {
+            backing.wrote(start, len);
+        }
+        written
+    }
+
+    /// Writes the guest buffers `data`, in order, to the image file at byte `start`.
+    fn write_segments<M: GuestMemory>(
+        &self,
+        mem: &M,
+        start: u64,
+        data: &[Segment],
+    ) -> Result<(), IoError> {
         let mut offset = start;
         for seg in data {
             for slice in mem.get_slices(seg.addr, seg.len as usize) {
@@ -269,9 +287,6 @@ impl DiskImage {
                 pwrite_all(&self.file, &slice, offset)?;
                 offset += slice.len() as u64;
             }
-        }
-        if let Some(backing) = &self.backing {
-            backing.wrote(start, offset - start);
         }
         Ok(())
     }

@@ -97,17 +97,30 @@ pub struct MmioTransportState {
 }
 
 impl MmioTransport {
+    /// Whether the device can be saved now (call it for every device before saving any: a save
+    /// may do work first, e.g. a copy-on-write disk's copy).
+    ///
+    /// # Errors
+    /// [`Error::SnapshotRefused`], from
+    /// [`VirtioDevice::can_snapshot`](crate::devices::virtio::VirtioDevice::can_snapshot).
+    pub fn check_snapshot(&self) -> Result<(), Error> {
+        self.lock_device()
+            .can_snapshot()
+            .map_err(Error::SnapshotRefused)
+    }
+
     /// State of the transport and its device. Call it on the event-loop thread with every vCPU
     /// paused, so neither the driver nor a queue handler is in the middle of something.
     ///
     /// # Errors
     /// [`Error::SnapshotRefused`] when the device cannot be saved now
-    /// ([`VirtioDevice::can_snapshot`](crate::devices::virtio::VirtioDevice::can_snapshot));
+    /// ([`Self::check_snapshot`]) or its backend cannot be readied
+    /// ([`VirtioDevice::prepare_snapshot`](crate::devices::virtio::VirtioDevice::prepare_snapshot));
     /// [`Error::SnapshotPositions`] when the device's queue positions do not match its queues.
     pub fn save(&self) -> Result<MmioTransportState, Error> {
+        self.check_snapshot()?;
         let (positions, device) = {
             let mut dev = self.lock_device();
-            dev.can_snapshot().map_err(Error::SnapshotRefused)?;
             dev.prepare_snapshot().map_err(Error::SnapshotRefused)?;
             let positions = if self.activated {
                 dev.queue_positions()

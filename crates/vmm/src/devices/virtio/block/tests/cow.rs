@@ -130,6 +130,7 @@ fn a_snapshot_makes_the_overlay_the_whole_disk_and_it_stays_writable() {
 
 #[test]
 fn a_backing_image_of_another_size_a_used_overlay_or_a_read_only_disk_is_refused() {
+    // (A backing image may end in a part sector, which the guest never sees, as for any disk.)
     // Arrange
     let base = pattern(DISK_BYTES, 13);
     let (dir, good) = cow_files(&base);
@@ -137,6 +138,10 @@ fn a_backing_image_of_another_size_a_used_overlay_or_a_read_only_disk_is_refused
     std::fs::write(&short, &base[..DISK_BYTES - 512]).unwrap();
     let used = dir.path().join("used.img");
     std::fs::write(&used, &base).unwrap();
+    let part_sector = dir.path().join("part-sector.img");
+    let mut longer = base.clone();
+    longer.extend_from_slice(&[1; 100]);
+    std::fs::write(&part_sector, &longer).unwrap();
 
     // Act
     let other_size = Block::new(BlockConfig {
@@ -151,6 +156,12 @@ fn a_backing_image_of_another_size_a_used_overlay_or_a_read_only_disk_is_refused
         read_only: true,
         ..good.clone()
     });
+    // (Dropped at once: the device holds the overlay's lock.)
+    let trailing_bytes = Block::new(BlockConfig {
+        backing: Some(part_sector),
+        ..good.clone()
+    })
+    .map(drop);
 
     // Assert
     assert!(
@@ -165,6 +176,10 @@ fn a_backing_image_of_another_size_a_used_overlay_or_a_read_only_disk_is_refused
     assert!(
         matches!(&read_only, Err(Error::ReadOnlyOverlay(_))),
         "{read_only:?}"
+    );
+    assert!(
+        trailing_bytes.is_ok(),
+        "a backing image's part sector at its end is not part of the disk: {trailing_bytes:?}"
     );
     assert!(
         Block::new(good).is_ok(),
