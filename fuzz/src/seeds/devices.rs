@@ -18,6 +18,8 @@ use crate::targets::vsock::{GUEST_CID, HOST_PORT};
 
 /// Config byte of an 8-sector disk (bits 1–6 = sectors − 1).
 const DISK_8: u8 = 7 << 1;
+/// The same disk, copy-on-write over the pattern (bit 7).
+const COW: u8 = DISK_8 | 0x80;
 
 fn blk_header(request_type: u32, sector: u64) -> Vec<u8> {
     RequestHeader {
@@ -118,6 +120,11 @@ pub fn blk() -> Vec<Seed> {
             "virtio_blk",
             "write-then-read",
             blk_seed(DISK_8, &[write(1, 0xab), read(1)]),
+        ),
+        (
+            "virtio_blk",
+            "copy-on-write",
+            blk_seed(COW, &[read(1), write(1, 0xab), read(1), read(0)]),
         ),
         (
             "virtio_blk",
@@ -342,6 +349,7 @@ fn offered_features() -> (u64, u64) {
         path: image.path.clone(),
         read_only: false,
         id: None,
+        backing: None,
     })
     .expect("block device");
     let dir = tempfile::tempdir().expect("temporary directory");

@@ -85,6 +85,16 @@ impl MemImage {
         MemImage { file, path }
     }
 
+    /// An empty sparse image of `len` bytes (a copy-on-write disk's overlay).
+    ///
+    /// # Panics
+    /// When the memfd cannot be created or sized.
+    pub fn sparse(len: u64) -> MemImage {
+        let image = MemImage::new(&[]);
+        image.file.set_len(len).expect("size the overlay");
+        image
+    }
+
     /// The image's current contents.
     pub fn contents(&self) -> Vec<u8> {
         let len = self.file.metadata().expect("image metadata").len();
@@ -139,12 +149,19 @@ pub fn run(data: &[u8]) {
     let config = input.u8();
     let read_only = config & 1 != 0;
     let sectors = 1 + u64::from((config >> 1) & 0x3f);
+    // A writable disk with bit 7 set is copy-on-write: an empty overlay over the pattern.
+    let cow = !read_only && config & 0x80 != 0;
     let original = disk_pattern(sectors);
-    let image = MemImage::new(&original);
+    let backing = cow.then(|| MemImage::new(&original));
+    let image = match cow {
+        true => MemImage::sparse(original.len() as u64),
+        false => MemImage::new(&original),
+    };
     let block = Block::new(BlockConfig {
         path: image.path.clone(),
         read_only,
         id: Some("fuzz-disk".into()),
+        backing: backing.as_ref().map(|b| b.path.clone()),
     })
     .expect("create the block device");
 
@@ -196,6 +213,12 @@ pub fn run(data: &[u8]) {
     assert_eq!(now.len(), original.len(), "the disk image changed size");
     if read_only {
         assert!(now == original, "a read-only disk image was modified");
+    }
+    if let Some(backing) = &backing {
+        assert!(
+            backing.contents() == original,
+            "a copy-on-write disk's backing image was modified"
+        );
     }
 }
 

@@ -123,6 +123,7 @@ pub fn run(data: &[u8]) {
             path: image.path.clone(),
             read_only: false,
             id: None,
+            backing: None,
         };
         let dev = Block::new(config).expect("block device");
         drive(dev, &mem, &mut input, |transport, block| {

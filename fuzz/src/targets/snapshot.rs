@@ -84,6 +84,7 @@ impl BlockTransport {
             path: image.path.clone(),
             read_only: false,
             id: None,
+            backing: None,
         };
         let dev = Arc::new(Mutex::new(Block::new(config).expect("block device")));
         let mut event_loop = EventManager::new().expect("event manager");
