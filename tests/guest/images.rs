@@ -102,8 +102,9 @@ image_test!(
 image_test!(
     fn a_template_on_the_image_gives_each_clone_its_files_and_python() {
         // Arrange: a template booted from the Debian image (templates in a directory of their
-        // own) with a scratch disk, whose preparation wrote a file with python3 into the
-        // writable layer on that disk, saved with the template.
+        // own) with a scratch disk, whose preparation wrote a file with python3 and 4 MiB of
+        // random bytes (with their MD5) into the writable layer on that disk, saved with the
+        // template.
         let a = artifacts();
         let data = tempfile::tempdir().unwrap();
         let image = a.debian_image().display().to_string();
@@ -114,7 +115,8 @@ image_test!(
                 .output()
                 .expect("run bulkhead")
         };
-        let prepare = "open('/root/answer', 'w').write('42\\n')";
+        let prepare = "python3 -c \"open('/root/answer', 'w').write('42\\n')\" && \
+                       head -c 4194304 /dev/urandom > /root/blob && md5sum /root/blob > /root/blob.md5";
         let created = bulkhead(&[
             "template",
             "create",
@@ -126,27 +128,46 @@ image_test!(
             "--boot-timeout",
             "300",
             "--",
-            "python3",
+            "sh",
             "-c",
             prepare,
         ]);
         assert!(created.status.success(), "{}", describe(&created));
         let saved_disk = data.path().join("templates/deb/disk-1.img");
         let saved_before = sha256_hex(&fs::read(&saved_disk).expect("the template's saved disk"));
-        let first_script = "cat /root/answer; python3 -c 'print(6*7)'; echo mine > /root/own; sync";
-        let second_script = "cat /root/answer; cat /root/own 2>/dev/null || echo none";
+        // Each clone checks the blob as read from its disk (the page cache it inherited from the
+        // template dropped first); the first also rewrites 300,000 bytes of it at an offset
+        // that is no multiple of a block and reads them back from its disk.
+        let first_script = "cat /root/answer; python3 -c 'print(6*7)'; echo mine > /root/own; \
+            echo 3 > /proc/sys/vm/drop_caches; md5sum -c --quiet /root/blob.md5 && echo blob-ok; \
+            dd if=/dev/urandom of=/root/blob bs=1000 seek=65 count=300 conv=notrunc 2>/dev/null; \
+            sync; a=$(md5sum < /root/blob); echo 3 > /proc/sys/vm/drop_caches; \
+            [ \"$a\" = \"$(md5sum < /root/blob)\" ] && echo reread-ok; sync";
+        let second_script = "cat /root/answer; cat /root/own 2>/dev/null || echo none; \
+            echo 3 > /proc/sys/vm/drop_caches; md5sum -c --quiet /root/blob.md5 && echo blob-ok";
 
         // Act
         let first = bulkhead(&["run", "--template", "deb", "--", "sh", "-c", first_script]);
         let second = bulkhead(&["run", "--template", "deb", "--", "sh", "-c", second_script]);
         let saved_after = sha256_hex(&fs::read(&saved_disk).expect("the template's saved disk"));
 
-        // Assert: both clones read the template's file, python3 runs from the image, and the
-        // first clone's write is its own (on its own copy of the scratch disk).
+        // Assert: both clones read the template's files, python3 runs from the image, the
+        // first clone's writes are its own (on its own copy-on-write disk) and read back the
+        // same from that disk, and the second clone sees the template's blob unchanged.
         assert!(first.status.success(), "{}", describe(&first));
-        assert_eq!(text(&first.stdout), "42\n42\n", "{}", describe(&first));
+        assert_eq!(
+            text(&first.stdout),
+            "42\n42\nblob-ok\nreread-ok\n",
+            "{}",
+            describe(&first)
+        );
         assert!(second.status.success(), "{}", describe(&second));
-        assert_eq!(text(&second.stdout), "42\nnone\n", "{}", describe(&second));
+        assert_eq!(
+            text(&second.stdout),
+            "42\nnone\nblob-ok\n",
+            "{}",
+            describe(&second)
+        );
         assert_eq!(
             saved_before, saved_after,
             "a clone wrote to the template's disk"
