@@ -151,19 +151,21 @@ fn save_devices(
     fn lock(t: &Mutex<MmioTransport>) -> std::sync::MutexGuard<'_, MmioTransport> {
         t.lock().unwrap_or_else(|p| p.into_inner())
     }
-    let device_err = |index| {
-        move |e: crate::devices::virtio::mmio::Error| Error::Device {
+    fn device_error(index: usize, e: crate::devices::virtio::mmio::Error) -> Error {
+        Error::Device {
             index,
             reason: e.to_string(),
         }
-    };
+    }
     for (index, t) in transports.iter().enumerate() {
-        lock(t).check_snapshot().map_err(device_err(index))?;
+        lock(t)
+            .check_snapshot()
+            .map_err(|e| device_error(index, e))?;
     }
     transports
         .iter()
         .enumerate()
-        .map(|(index, t)| lock(t).save().map_err(device_err(index)))
+        .map(|(index, t)| lock(t).save().map_err(|e| device_error(index, e)))
         .collect()
 }
 

@@ -13,14 +13,14 @@
 //! The bitmap lives only as long as the VMM; a VMM that dies leaves an overlay that is useless
 //! without it (the sandbox deletes it with its runtime directory).
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, Seek, SeekFrom};
+use std::fs::File;
+use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::io::{lock, IoError};
+use super::io::{open_locked, IoError};
 use super::{Error, SECTOR_SIZE};
 
 /// Bytes per cluster, the unit of copy-on-write (64 KiB, as qcow2's default cluster).
@@ -53,32 +53,16 @@ impl Backing {
     /// file of that size).
     ///
     /// # Errors
-    /// [`Error::Open`], [`Error::NotADisk`], [`Error::Size`], [`Error::BackingSize`] when the
-    /// two differ in size, [`Error::OverlayNotEmpty`].
+    /// The errors of [`DiskImage::open`](super::DiskImage::open) for the backing image,
+    /// [`Error::BackingSize`] when the two differ in size, [`Error::OverlayNotEmpty`] (or
+    /// [`Error::Open`] when the overlay's holes cannot be read).
     pub fn open(
         path: &Path,
         overlay: &File,
         overlay_path: &Path,
         size: u64,
     ) -> Result<Self, Error> {
-        let open_err = |source| Error::Open {
-            path: path.to_owned(),
-            source,
-        };
-        let mut file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(open_err)?;
-        let file_type = file.metadata().map_err(open_err)?.file_type();
-        if !file_type.is_file() && !file_type.is_block_device() {
-            return Err(Error::NotADisk(path.to_owned()));
-        }
-        lock(&file, true).map_err(open_err)?;
-        let backing_size = file.seek(SeekFrom::End(0)).map_err(|source| Error::Size {
-            path: path.to_owned(),
-            source,
-        })?;
+        let (file, backing_size) = open_locked(path, true)?;
         // Whole sectors, as the overlay's size (a trailing part sector is never read).
         let backing_size = backing_size & !(SECTOR_SIZE - 1);
         if backing_size != size {
@@ -89,7 +73,11 @@ impl Backing {
             });
         }
         let overlay_is_file = overlay.metadata().is_ok_and(|m| m.file_type().is_file());
-        if !overlay_is_file || next_data(overlay, 0).map_err(open_err)?.is_some() {
+        let overlay_data = next_data(overlay, 0).map_err(|source| Error::Open {
+            path: overlay_path.to_owned(),
+            source,
+        })?;
+        if !overlay_is_file || overlay_data.is_some() {
             return Err(Error::OverlayNotEmpty(overlay_path.to_owned()));
         }
         let clusters = size.div_ceil(CLUSTER_BYTES);

@@ -83,42 +83,7 @@ impl DiskImage {
     /// [`Error::Open`] (also when `flock` fails for another reason than a conflicting lock),
     /// [`Error::NotADisk`], [`Error::Locked`], [`Error::Size`].
     pub fn open(path: &Path, read_only: bool) -> Result<DiskImage, Error> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!read_only)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|source| Error::Open {
-                path: path.to_owned(),
-                source,
-            })?;
-        let file_type = file
-            .metadata()
-            .map_err(|source| Error::Size {
-                path: path.to_owned(),
-                source,
-            })?
-            .file_type();
-        if !file_type.is_file() && !file_type.is_block_device() {
-            return Err(Error::NotADisk(path.to_owned()));
-        }
-        lock(&file, read_only).map_err(|source| match source.kind() {
-            io::ErrorKind::WouldBlock => Error::Locked {
-                path: path.to_owned(),
-                source,
-            },
-            _ => Error::Open {
-                path: path.to_owned(),
-                source,
-            },
-        })?;
-        // Seeking to the end also sizes block devices, whose metadata length is 0.
-        let size = (&file)
-            .seek(SeekFrom::End(0))
-            .map_err(|source| Error::Size {
-                path: path.to_owned(),
-                source,
-            })?;
+        let (file, size) = open_locked(path, read_only)?;
         if size % SECTOR_SIZE != 0 {
             tracing::warn!(
                 "virtio-blk: {} is {size} bytes, not a multiple of 512; the last {} bytes are \
@@ -462,9 +427,52 @@ fn pwrite_all<B: BitmapSlice>(
     Ok(())
 }
 
+/// Opens the image at `path` for [`DiskImage::open`] (also a copy-on-write disk's backing
+/// image, read-only): `O_CLOEXEC`, a regular file or block device, locked (`flock`, shared when
+/// `read_only`); returns it and its size in bytes.
+pub(super) fn open_locked(path: &Path, read_only: bool) -> Result<(File, u64), Error> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|source| Error::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+    let file_type = file
+        .metadata()
+        .map_err(|source| Error::Size {
+            path: path.to_owned(),
+            source,
+        })?
+        .file_type();
+    if !file_type.is_file() && !file_type.is_block_device() {
+        return Err(Error::NotADisk(path.to_owned()));
+    }
+    lock(&file, read_only).map_err(|source| match source.kind() {
+        io::ErrorKind::WouldBlock => Error::Locked {
+            path: path.to_owned(),
+            source,
+        },
+        _ => Error::Open {
+            path: path.to_owned(),
+            source,
+        },
+    })?;
+    // Seeking to the end also sizes block devices, whose metadata length is 0.
+    let size = (&file)
+        .seek(SeekFrom::End(0))
+        .map_err(|source| Error::Size {
+            path: path.to_owned(),
+            source,
+        })?;
+    Ok((file, size))
+}
+
 /// Takes the image's advisory lock without blocking: exclusive for a writable image, shared for
 /// a read-only one.
-pub(super) fn lock(file: &File, read_only: bool) -> io::Result<()> {
+fn lock(file: &File, read_only: bool) -> io::Result<()> {
     let mode = if read_only {
         libc::LOCK_SH
     } else {
