@@ -63,11 +63,12 @@
 #                            a template (bulkhead template create): two clones read its file, on
 #                            both vCPUs, with random bytes of their own and the host's clock; a
 #                            clone with --allow-cidr fetches run-egress's file through its proxy
-#   image-template-disk      template create --image /data/root.ext4 (busybox) --disk 16: the
-#                            preparation's file is on the scratch disk saved with the template;
-#                            each clone reads it and writes to a copy-on-write disk of its own
-#                            over it, the saved disk unchanged (Debian's arm64
-#                            mke2fs formats the disk)
+#   image-template-disk      template create --image /data/root.ext4 (busybox) --disk 16
+#                            --disk-file DATA: the preparation's file is on the scratch disk and
+#                            its bytes on the data disk, both saved with the template; each
+#                            clone reads them and writes to copy-on-write disks of its own over
+#                            them, the saved disks and DATA unchanged (Debian's arm64 mke2fs
+#                            formats the scratch disk)
 #   daemon-pause-workspace   bulkheadd (cgroups off): a sandbox with a clone workspace writes a
 #                            file there, is paused (its share unmounted in the guest, its VMM
 #                            gone) and resumed: the file and the project are back and `bulkhead
@@ -558,29 +559,36 @@ else
     fail clone-egress "status $status" /tmp/clone-egress.out /tmp/clone-egress.err \
         /tmp/clone-egress.jsonl /tmp/clone-egress.console
 fi
-# A template on a root filesystem image with a scratch disk: the preparation writes to the
-# scratch disk, which is saved with the template; the first clone writes to its own
-# copy-on-write disk over it (and syncs), which the second does not see, and the template's
-# saved disk is unchanged.
+# A template on a root filesystem image with a scratch disk and a writable data disk: the
+# preparation writes a file to the scratch disk and bytes to the data disk (/dev/vdc), both
+# saved with the template; the first clone writes to its own copy-on-write disks over them (and
+# syncs), which the second does not see, and the template's saved disks and the data disk's
+# file are unchanged.
+dd if=/dev/zero of=/tmp/arm64-data.img bs=1024 count=1024 2>/dev/null
 tcall image-create template create arm64-image --image /data/root.ext4 --disk 16 \
-    --boot-timeout "$VMM_TIMEOUT" -- sh -c 'echo 42 >/root/answer'
+    --disk-file /tmp/arm64-data.img --boot-timeout "$VMM_TIMEOUT" \
+    -- sh -c 'echo 42 >/root/answer; printf tmpl-data | dd of=/dev/vdc conv=fsync 2>/dev/null'
 create_status=$status
 saved=/root/.local/share/bulkhead/templates/arm64-image/disk-1.img
-saved_before=$(sha256sum "$saved" 2>&1)
+saved_data=/root/.local/share/bulkhead/templates/arm64-image/disk-2.img
+saved_before=$(sha256sum "$saved" "$saved_data" /tmp/arm64-data.img 2>&1)
 tcall image-clone-1 run --template arm64-image --boot-timeout "$VMM_TIMEOUT" \
-    --console /tmp/image-clone-1.console -- sh -c 'cat /root/answer; echo mine >/root/own; sync'
+    --console /tmp/image-clone-1.console -- sh -c 'cat /root/answer; echo mine >/root/own
+        head -c 9 /dev/vdc; echo; printf clone-one | dd of=/dev/vdc conv=fsync 2>/dev/null; sync'
 status_c1=$status
 tcall image-clone-2 run --template arm64-image --boot-timeout "$VMM_TIMEOUT" \
-    --console /tmp/image-clone-2.console -- sh -c 'cat /root/answer; cat /root/own 2>/dev/null || echo none'
+    --console /tmp/image-clone-2.console -- sh -c 'cat /root/answer; cat /root/own 2>/dev/null || echo none
+        head -c 9 /dev/vdc; echo'
 status_c2=$status
-saved_after=$(sha256sum "$saved" 2>&1)
+saved_after=$(sha256sum "$saved" "$saved_data" /tmp/arm64-data.img 2>&1)
 if [ "$create_status" = 0 ] && [ "$status_c1" = 0 ] && [ "$status_c2" = 0 ] &&
-    [ "$(cat /tmp/image-clone-1.out)" = 42 ] &&
-    [ "$(cat /tmp/image-clone-2.out)" = "$(printf '42\nnone')" ] && [ -f "$saved" ] &&
-    [ "$saved_before" = "$saved_after" ]; then
-    ok image-template-disk "both clones read 42 from the template's saved scratch disk, which stayed unchanged; the first clone's file stayed its own"
+    [ "$(cat /tmp/image-clone-1.out)" = "$(printf '42\ntmpl-data')" ] &&
+    [ "$(cat /tmp/image-clone-2.out)" = "$(printf '42\nnone\ntmpl-data')" ] &&
+    [ -f "$saved" ] && [ -f "$saved_data" ] && [ "$saved_before" = "$saved_after" ] &&
+    [ "$(head -c 9 /tmp/arm64-data.img)" = tmpl-data ]; then
+    ok image-template-disk "both clones read 42 from the template's saved scratch disk and the preparation's bytes from its saved data disk, which stayed unchanged, as did the data disk's file; the first clone's writes stayed its own"
 else
-    fail image-template-disk "create status $create_status, clones $status_c1 and $status_c2, saved disk [$saved_before] then [$saved_after]" \
+    fail image-template-disk "create status $create_status, clones $status_c1 and $status_c2, saved disks [$saved_before] then [$saved_after]" \
         /tmp/image-create.out /tmp/image-create.err /tmp/image-clone-1.out /tmp/image-clone-1.err \
         /tmp/image-clone-1.console /tmp/image-clone-2.out /tmp/image-clone-2.err
 fi

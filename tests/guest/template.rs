@@ -133,6 +133,77 @@ guest_test!(
 );
 
 guest_test!(
+    fn a_template_saves_its_writable_data_disk_and_each_clone_writes_to_its_own_copy() {
+        // Arrange: a sparse 4 MiB data disk, to which the preparation writes 13 bytes.
+        let data = tempfile::tempdir().unwrap();
+        let host = tempfile::tempdir().unwrap();
+        let disk = host.path().join("data.img");
+        fs::File::create(&disk)
+            .and_then(|f| f.set_len(4 << 20))
+            .unwrap();
+        let disk_arg = disk.to_str().unwrap();
+        let created = bulkhead(
+            data.path(),
+            &[
+                "template",
+                "create",
+                "d",
+                "--share-slots",
+                "0",
+                "--disk-file",
+                disk_arg,
+                "--",
+                "sh",
+                "-c",
+                "printf template-data | dd of=/dev/vda conv=fsync 2>/dev/null",
+            ],
+        );
+        assert!(created.status.success(), "{}", describe(&created));
+        let file_after_template = fs::read(&disk).unwrap();
+        let saved = data.path().join("templates/d/disk-0.img");
+        let saved_before = fs::read(&saved).expect("the template's copy of the data disk");
+        // Each clone reads the disk's first 13 bytes, writes its own, and reads them back
+        // from its disk (not its page cache).
+        let script = |mine: &str| {
+            format!(
+                "head -c 13 /dev/vda; echo; printf {mine} | dd of=/dev/vda conv=fsync \
+                 2>/dev/null && echo 3 > /proc/sys/vm/drop_caches && head -c 13 /dev/vda"
+            )
+        };
+        let clone = |mine: &str| {
+            bulkhead(
+                data.path(),
+                &["run", "--template", "d", "--", "sh", "-c", &script(mine)],
+            )
+        };
+
+        // Act
+        let first = clone("clone-one-abc");
+        let second = clone("clone-two-xyz");
+
+        // Assert: both clones began from the template's bytes and kept their own writes; the
+        // template's copy and the data disk's file are as the preparation left them.
+        assert!(first.status.success(), "{}", describe(&first));
+        assert!(second.status.success(), "{}", describe(&second));
+        let stdout = |o: &Output| String::from_utf8_lossy(&o.stdout).into_owned();
+        assert_eq!(stdout(&first), "template-data\nclone-one-abc");
+        assert_eq!(stdout(&second), "template-data\nclone-two-xyz");
+        assert_eq!(&file_after_template[..13], b"template-data");
+        assert_eq!(
+            fs::read(&disk).unwrap(),
+            file_after_template,
+            "a clone wrote to the file"
+        );
+        assert_eq!(
+            fs::read(&saved).unwrap(),
+            saved_before,
+            "a clone wrote to the template's copy"
+        );
+        assert_eq!(saved_before, file_after_template);
+    }
+);
+
+guest_test!(
     fn more_mounts_than_the_template_has_slots_are_refused_before_a_restore() {
         // Arrange: a template with one share slot.
         let data = tempfile::tempdir().unwrap();

@@ -25,9 +25,9 @@
 //! `RestoredRequest` and the new CA is added to the guest's trust ([`crate::egress`]). A
 //! snapshot's read-only disks (a root filesystem image, with the writable layer in guest RAM)
 //! are opened again by path; the manifest records each file's identity and a restore refuses
-//! one that changed. The sandbox's scratch disk is saved with the snapshot and every restore
-//! writes to its own copy; a restore refuses any other writable disk (the private `disks` module). A restore
-//! cannot add disks.
+//! one that changed. Writable disks (the sandbox's scratch disk, the caller's data disks) are
+//! saved with the snapshot, and every restore writes to its own copy-on-write disk over the
+//! saved one (the private `disks` module). A restore cannot add disks.
 
 use std::fs;
 use std::io::{self, Read};
@@ -89,9 +89,9 @@ pub struct Manifest {
     pub vcpus: u8,
     /// The agent's readiness announcement from the sandbox's boot.
     pub ready: Ready,
-    /// The VM's disks as they were at the snapshot (a root filesystem image); a restore opens
-    /// them again and refuses one that changed; a scratch disk is saved with the snapshot. Absent
-    /// when it had none.
+    /// The VM's disks as they were at the snapshot: a read-only one (a root filesystem image) a
+    /// restore opens again and refuses once changed; a writable one (a scratch or data disk) is
+    /// saved with the snapshot. Absent when it had none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<DiskIdentity>,
 }
@@ -135,13 +135,18 @@ impl Sandbox {
     /// A jailed VMM writes the snapshot into its runtime directory's `vmm/snapshot` (the only
     /// place it may write), from where it is moved into `dir`.
     ///
+    /// Writable disks are saved into `dir` as they were: the scratch disk moved, a data disk of
+    /// the caller's copied (holes kept; restores never use the caller's file, which the sandbox
+    /// left as its guest wrote it).
+    ///
     /// # Errors
     /// [`Error::SnapshotRefused`] while a guest process uses a file under a shared directory or
     /// the guest mounted something over, inside or from one, and when the VMM refused (e.g. an
     /// older agent left a share mounted) and the guest still answers: the sandbox runs on, its
     /// shares mounted again. [`Error::Snapshot`] when the VMM has no control socket (a sandbox
     /// adopted from an older bulkhead), cannot be reached, or the guest no longer answers after
-    /// a refusal, or the files cannot be written.
+    /// a refusal, or the files cannot be written (a writable data disk that is no regular file
+    /// included: the sandbox has ended then).
     pub fn snapshot_into(&mut self, dir: &Path, config: &SandboxConfig) -> Result<Manifest, Error> {
         let runtime = self.dir.clone().unwrap_or_default();
         let socket = runtime.join(API_SOCKET);
@@ -190,7 +195,7 @@ impl Sandbox {
         }
         workspace::keep(&runtime, dir)?;
         let mut disks = disks::identities(dir)?;
-        disks::save_own(dir, &runtime, &mut disks)?;
+        disks::save(dir, &runtime, &mut disks)?;
         let manifest = Manifest {
             bulkhead_version: env!("CARGO_PKG_VERSION").into(),
             created_unix_ms: unix_ms(SystemTime::now()),

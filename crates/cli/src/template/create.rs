@@ -11,6 +11,7 @@ use bulkhead_protocol::ExecRequest;
 use bulkhead_sandbox::mounts::MAX_MOUNTS;
 use bulkhead_sandbox::spec::new_id;
 use bulkhead_sandbox::{Recipe, Sandbox, SandboxSpec};
+use bulkhead_vmm::config::DiskConfig;
 
 use super::store::{format_size, size_on_disk, TemplateManifest, TemplateStore};
 use crate::machine::MachineArgs;
@@ -44,6 +45,13 @@ pub struct CreateArgs {
     /// The disk is saved with the template (holes kept) and every clone writes to its own copy.
     #[arg(long = "disk", value_name = "MIB", requires = "image", value_parser = run::parse_scratch_mib)]
     scratch_mib: Option<u64>,
+    /// Attach a raw disk image as an extra virtio-blk disk, as `run --disk-file` (repeatable).
+    /// Read-only (`:ro`): every clone opens the file again and is refused once it changed. Else
+    /// the preparation writes to the file itself, and the snapshot saves a copy of it (holes
+    /// kept) with the template: every clone writes to its own copy-on-write disk over that
+    /// copy, never to the file. Must be a regular file.
+    #[arg(long = "disk-file", value_name = "PATH[:ro]")]
+    disk_files: Vec<DiskConfig>,
     /// The preparation command and its arguments, run before the snapshot; it must exit 0.
     #[arg(last = true, value_name = "CMD")]
     prepare: Vec<String>,
@@ -62,6 +70,7 @@ pub fn create(store: &TemplateStore, args: &CreateArgs) -> Result<u8, String> {
     let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
     // Checked again when the create begins and, atomically, when the template gets its name.
     store.check_free(&args.name)?;
+    check_writable_disks(&args.disk_files)?;
     let recipe = recipe(args, &id)?;
     run::require_bootable_kvm(&file_dirs(args))?;
     let started = Instant::now();
@@ -133,20 +142,49 @@ fn recipe(args: &CreateArgs, id: &str) -> Result<Recipe, String> {
     let spec = SandboxSpec {
         image: args.image.as_deref().map(run::image_ref),
         disk_mib: args.scratch_mib,
+        disk_files: args.disk_files.clone(),
         ..args.machine.spec()
     };
     bulkhead_sandbox::build(&spec, &args.machine.host(), id).map_err(|e| e.to_string())
 }
 
-/// The directories the nested test host must share: the machine flags' files' and an image
-/// given as a path.
+/// Refuses, before anything boots, a writable data disk that the snapshot could not save: one
+/// that is no regular file (a block device). Missing files are the recipe's to report.
+fn check_writable_disks(disks: &[DiskConfig]) -> Result<(), String> {
+    let writable = disks.iter().filter(|d| !d.read_only);
+    for disk in writable {
+        let special = std::fs::metadata(&disk.path).is_ok_and(|m| !m.is_file());
+        if special {
+            return Err(format!(
+                "--disk-file {}: a template saves a copy of each writable disk, which only a \
+                 regular file allows; attach it read-only (`:ro`) or use a disk image file",
+                disk.path.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The directories the nested test host must share: the machine flags' files', an image given
+/// as a path and the data disks'.
 fn file_dirs(args: &CreateArgs) -> Vec<PathBuf> {
     let mut dirs = args.machine.file_dirs();
-    let image = args.image.as_deref().filter(|i| i.contains('/'));
-    let image_dir = image
-        .and_then(|i| std::path::absolute(i).ok())
-        .and_then(|abs| abs.parent().map(Path::to_owned));
-    dirs.extend(image_dir.filter(|d| !dirs.contains(d)));
+    let image = args
+        .image
+        .as_deref()
+        .filter(|i| i.contains('/'))
+        .map(Path::new);
+    let files = image
+        .into_iter()
+        .chain(args.disk_files.iter().map(|d| d.path.as_path()));
+    for file in files {
+        let dir = std::path::absolute(file)
+            .ok()
+            .and_then(|abs| abs.parent().map(Path::to_owned));
+        if let Some(dir) = dir.filter(|d| !dirs.contains(d)) {
+            dirs.push(dir);
+        }
+    }
     dirs
 }
 
@@ -155,6 +193,14 @@ fn manifest(args: &CreateArgs, recipe: &Recipe) -> TemplateManifest {
     TemplateManifest {
         image: recipe.storage.root_image.as_deref().map(absolute),
         disk_mib: recipe.storage.scratch_mib,
+        disk_files: args
+            .disk_files
+            .iter()
+            .map(|d| DiskConfig {
+                path: absolute(&d.path),
+                ..d.clone()
+            })
+            .collect(),
         name: args.name.clone(),
         kernel: absolute(&recipe.config.kernel),
         initrd: absolute(&recipe.config.initrd),
@@ -169,4 +215,41 @@ fn manifest(args: &CreateArgs, recipe: &Recipe) -> TemplateManifest {
 /// `path` made absolute against the working directory (as it was when it was booted).
 fn absolute(path: &Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn disk(path: &str, read_only: bool) -> DiskConfig {
+        DiskConfig {
+            path: path.into(),
+            read_only,
+            id: None,
+            backing: None,
+        }
+    }
+
+    #[test]
+    fn a_writable_device_disk_is_refused_before_boot_and_a_read_only_one_or_a_file_is_not() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("data.img");
+        std::fs::write(&file, [0u8; 512]).unwrap();
+        let file = file.to_str().unwrap();
+
+        // Act
+        let device = check_writable_disks(&[disk(file, false), disk("/dev/null", false)]);
+        let read_only_device = check_writable_disks(&[disk("/dev/null", true)]);
+        let plain = check_writable_disks(&[disk(file, false)]);
+
+        // Assert
+        let message = device.unwrap_err();
+        assert!(
+            message.contains("/dev/null") && message.contains("regular file"),
+            "{message}"
+        );
+        assert_eq!(read_only_device, Ok(()));
+        assert_eq!(plain, Ok(()));
+    }
 }

@@ -14,6 +14,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use bulkhead_vmm::config::DiskConfig;
 use serde::{Deserialize, Serialize};
 
 /// The template's own manifest, next to the snapshot's `sandbox.json`.
@@ -38,6 +39,10 @@ pub struct TemplateManifest {
     /// The scratch disk's size, MiB (`--disk`), saved with the template; absent without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_mib: Option<u64>,
+    /// The data disks it booted with (`--disk-file`), in order: a read-only one every clone
+    /// opens again, a writable one saved with the template (a copy: clones never write to it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disk_files: Vec<DiskConfig>,
     /// Guest RAM, MiB (every clone has the same).
     pub memory_mib: u32,
     /// vCPUs (every clone has the same).

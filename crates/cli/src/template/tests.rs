@@ -21,6 +21,7 @@ fn manifest(name: &str) -> TemplateManifest {
         initrd: PathBuf::from("/k/initramfs.cpio.lz4"),
         image: None,
         disk_mib: None,
+        disk_files: Vec::new(),
         memory_mib: 512,
         vcpus: 2,
         created: "2026-01-31T12:00:00Z".to_owned(),

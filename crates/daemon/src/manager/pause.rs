@@ -37,7 +37,7 @@ impl Manager {
     /// # Errors
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`]; [`ManagerError::Conflict`] when
     /// it is neither running nor paused; [`ManagerError::Unsupported`] for a sandbox whose VM
-    /// cannot be restored yet (data disks) or whose VMM
+    /// has data disks or whose VMM
     /// cannot save it; [`ManagerError::Internal`] when saving failed (the VM is lost and the
     /// sandbox `failed`).
     pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ManagerError> {
@@ -188,17 +188,19 @@ impl Manager {
     }
 }
 
-/// Refuses to pause a sandbox whose VM cannot be restored yet, or whose VMM (`runtime`: its
+/// Refuses to pause a sandbox with data disks, or whose VMM (`runtime`: its
 /// runtime directory) has no control socket.
 fn pausable(id: &str, spec: &SandboxSpec, runtime: Option<&Path>) -> Result<(), ManagerError> {
     // Mounts and a workspace are unmounted in the guest before the VM is saved and mounted
     // again by the resume (a clone workspace's changes stay in the guest meanwhile). An image
     // is read-only and is opened again by path (the restore checks that it is unchanged); the
-    // scratch disk is saved with the VM. A restore refuses data disks: the caller's files,
-    // which the daemon cannot keep as they were.
+    // scratch disk is saved with the VM. A snapshot saves a copy of a data disk, and the
+    // resumed VM would write to that copy, no longer to the caller's file: refused (the daemon
+    // takes no host paths, so none of its sandboxes has one).
     if !spec.disk_files.is_empty() {
         return Err(ManagerError::Unsupported(format!(
-            "sandbox {id} cannot be paused: a sandbox with data disks cannot be restored yet"
+            "sandbox {id} cannot be paused: its resumed VM would write to a copy of its data \
+             disks, not to their files"
         )));
     }
     if !runtime.is_some_and(|dir| dir.join(CONTROL_SOCKET).exists()) {

@@ -3,13 +3,17 @@
 //! records what each file was ([`DiskIdentity`]) and a restore refuses a file that changed since
 //! (e.g. an image rebuilt under the same name).
 //!
-//! A writable disk of the sandbox's own (its scratch disk, in its runtime directory) is saved
-//! with the snapshot: moved into the snapshot directory as `disk-<index>.img`, and every restore
-//! gets a copy-on-write disk over it (bulkhead-vmm's `--disk OVERLAY:backing=SAVED`): a new
+//! Every writable disk is saved with the snapshot, as `disk-<index>.img` in the snapshot
+//! directory: the sandbox's own (its scratch disk, in its runtime directory, which dies with it)
+//! is moved there; a data disk of the caller's (a regular file anywhere else) is copied, holes
+//! kept, and the caller's file is not used again by any restore. Every restore gets a
+//! copy-on-write disk over each saved one (bulkhead-vmm's `--disk OVERLAY:backing=SAVED`): a new
 //! empty sparse overlay in its runtime directory takes the clone's writes, the saved disk, shared
 //! read-only by every clone, the rest; nothing is copied before the clone runs. A snapshot of
-//! the clone makes its overlay whole first. A restore refuses any other writable disk (a data
-//! disk of the caller's), which every clone would write to at once.
+//! the clone makes its overlay whole first. A writable data disk that is a block device cannot
+//! be saved (its size is the device's, its holes unknown): the snapshot is refused. A restore
+//! refuses a writable disk that was not saved (a snapshot of an older bulkhead), which every
+//! clone would write to at once.
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -19,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::files;
 use crate::sandbox::Error;
+use crate::storage::SCRATCH_FILE;
 
 /// A disk of a snapshot's VM as it was when the snapshot was taken.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,26 +80,29 @@ pub(super) fn identities(dir: &Path) -> Result<Vec<DiskIdentity>, Error> {
         .collect()
 }
 
-/// Moves each writable disk of `disks` that lives in the sandbox's runtime directory `runtime`
-/// (its scratch disk, which dies with it) into the snapshot directory `dir`, and records it
-/// there ([`DiskIdentity::saved`]). Call with the VMM stopped.
+/// Saves each writable disk of `disks` into the snapshot directory `dir` and records it there
+/// ([`DiskIdentity::saved`]): one in the sandbox's runtime directory `runtime` (its scratch
+/// disk, which dies with it) is moved, any other (a data disk of the caller's) copied with its
+/// holes. Call with the VMM stopped.
 ///
 /// # Errors
-/// [`Error::Snapshot`] when a disk cannot be moved.
-pub(super) fn save_own(
-    dir: &Path,
-    runtime: &Path,
-    disks: &mut [DiskIdentity],
-) -> Result<(), Error> {
+/// [`Error::Snapshot`] when a disk is no regular file or cannot be moved or copied.
+pub(super) fn save(dir: &Path, runtime: &Path, disks: &mut [DiskIdentity]) -> Result<(), Error> {
     for (index, disk) in disks.iter_mut().enumerate() {
-        // (An empty path is a prefix of every path.)
-        if disk.read_only || runtime.as_os_str().is_empty() || !disk.path.starts_with(runtime) {
+        if disk.read_only {
             continue;
         }
         let name = format!("disk-{index}.img");
-        files::move_file(&disk.path, &dir.join(&name)).map_err(|e| {
+        let target = dir.join(&name);
+        // (An empty path is a prefix of every path.)
+        let own = !runtime.as_os_str().is_empty() && disk.path.starts_with(runtime);
+        let saved = match own {
+            true => files::move_file(&disk.path, &target),
+            false => copy_data_disk(&disk.path, &target),
+        };
+        saved.map_err(|e| {
             Error::Snapshot(format!(
-                "cannot save the disk {} into {}: {e}",
+                "cannot save the writable disk {} into {}: {e}",
                 disk.path.display(),
                 dir.display()
             ))
@@ -104,11 +112,23 @@ pub(super) fn save_own(
     Ok(())
 }
 
+/// Copies the caller's data disk `src` to `dst`, holes kept; refuses anything but a regular
+/// file.
+fn copy_data_disk(src: &Path, dst: &Path) -> std::io::Result<()> {
+    if !fs::metadata(src)?.is_file() {
+        return Err(std::io::Error::other(
+            "only a regular file can be saved with a snapshot (this is a device or another \
+             special file); attach it read-only (`:ro`) or use a disk image file",
+        ));
+    }
+    files::copy_sparse(src, dst)
+}
+
 /// The `--disk` arguments of a restore of the snapshot in `dir` into the runtime directory
-/// `runtime`: for each saved disk a copy-on-write disk, its overlay a new sparse file there
-/// under the disk's file name (`scratch.ext4`, where the daemon looks for a dead VM's scratch
-/// disk) over the saved file; every other disk at its path. Empty when no disk was saved (the
-/// VMM then opens the saved paths).
+/// `runtime`: for each saved disk a copy-on-write disk over the saved file, its overlay a new
+/// sparse file there (the scratch disk's under its own name, [`SCRATCH_FILE`], where the daemon
+/// looks for a dead VM's scratch disk; any other under the saved file's name); every other
+/// disk at its path. Empty when no disk was saved (the VMM then opens the saved paths).
 ///
 /// # Errors
 /// [`Error::Snapshot`] when an overlay cannot be created.
@@ -124,8 +144,9 @@ pub(super) fn restore_args(
     for disk in disks {
         let arg = match &disk.saved {
             Some(name) => {
-                let overlay = match disk.path.file_name().map(|n| runtime.join(n)) {
-                    Some(path) if !path.exists() => path,
+                let scratch = runtime.join(SCRATCH_FILE);
+                let overlay = match disk.path.file_name() {
+                    Some(n) if n == SCRATCH_FILE && !scratch.exists() => scratch,
                     _ => runtime.join(name),
                 };
                 new_overlay(&overlay, disk.size).map_err(|e| {
@@ -268,7 +289,7 @@ mod tests {
         ];
 
         // Act
-        save_own(&snapshot, &runtime, &mut disks).unwrap();
+        save(&snapshot, &runtime, &mut disks).unwrap();
         let checked = check(&snapshot, &disks);
         let args = restore_args(&snapshot, &clone, &disks).unwrap();
         let overlay = fs::read(clone.join("scratch.ext4")).unwrap();
@@ -309,6 +330,59 @@ mod tests {
         assert_eq!(saved_after_two_restores, b"the guest's files");
         truncated.unwrap();
         assert!(message_of(damaged).contains("missing or damaged"));
+    }
+
+    #[test]
+    fn a_callers_data_disk_is_copied_and_left_alone_and_a_device_is_refused() {
+        // Arrange: a writable data disk outside the runtime directory, with a hole.
+        let root = tempfile::tempdir().unwrap();
+        let (runtime, snapshot, clone) = (
+            root.path().join("run"),
+            root.path().join("snap"),
+            root.path().join("clone"),
+        );
+        for d in [&runtime, &snapshot, &clone] {
+            fs::create_dir(d).unwrap();
+        }
+        let data = root.path().join("data.img");
+        let file = fs::File::create(&data).unwrap();
+        file.set_len(1 << 20).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&file, b"the caller's data", 512 << 10).unwrap();
+        let mut disks = vec![DiskIdentity::of(&data, false).unwrap()];
+        let mut device = vec![DiskIdentity::of(Path::new("/dev/null"), false).unwrap()];
+
+        // Act
+        let saved = save(&snapshot, &runtime, &mut disks);
+        let args = restore_args(&snapshot, &clone, &disks).unwrap();
+        let refused = save(&snapshot, &runtime, &mut device);
+
+        // Assert: saved as disk-0.img with the same bytes, the caller's file still there and
+        // unchanged, and the clone's overlay named after the saved file.
+        assert!(saved.is_ok(), "{saved:?}");
+        assert_eq!(disks[0].saved.as_deref(), Some("disk-0.img"));
+        let copy = snapshot.join("disk-0.img");
+        assert_eq!(fs::read(&copy).unwrap(), fs::read(&data).unwrap());
+        assert_eq!(DiskIdentity::of(&data, false).unwrap(), {
+            let mut before = disks[0].clone();
+            before.saved = None;
+            before
+        });
+        assert!(check(&snapshot, &disks).is_ok());
+        let args: Vec<String> = args.iter().map(|a| a.to_string_lossy().into()).collect();
+        let overlay = clone.join("disk-0.img");
+        assert_eq!(
+            args,
+            [
+                "--disk".to_owned(),
+                format!("{}:rw:backing={}", overlay.display(), copy.display())
+            ]
+        );
+        let message = message_of(refused);
+        assert!(
+            message.contains("/dev/null") && message.contains("regular file"),
+            "{message}"
+        );
+        assert_eq!(device[0].saved, None);
     }
 
     fn message_of(result: Result<(), Error>) -> String {
