@@ -270,15 +270,7 @@ mod tests {
     #[test]
     fn an_own_writable_disk_is_saved_and_each_restore_gets_an_overlay_over_it() {
         // Arrange: a read-only image outside the runtime directory, a scratch disk inside it.
-        let root = tempfile::tempdir().unwrap();
-        let (runtime, snapshot, clone) = (
-            root.path().join("run"),
-            root.path().join("snap"),
-            root.path().join("clone"),
-        );
-        for d in [&runtime, &snapshot, &clone] {
-            fs::create_dir(d).unwrap();
-        }
+        let (root, runtime, snapshot, clone) = three_dirs();
         let image = root.path().join("rootfs.ext4");
         fs::write(&image, b"image").unwrap();
         let scratch = runtime.join("scratch.ext4");
@@ -335,15 +327,7 @@ mod tests {
     #[test]
     fn a_callers_data_disk_is_copied_and_left_alone_and_a_device_is_refused() {
         // Arrange: a writable data disk outside the runtime directory, with a hole.
-        let root = tempfile::tempdir().unwrap();
-        let (runtime, snapshot, clone) = (
-            root.path().join("run"),
-            root.path().join("snap"),
-            root.path().join("clone"),
-        );
-        for d in [&runtime, &snapshot, &clone] {
-            fs::create_dir(d).unwrap();
-        }
+        let (root, runtime, snapshot, clone) = three_dirs();
         let data = root.path().join("data.img");
         let file = fs::File::create(&data).unwrap();
         file.set_len(1 << 20).unwrap();
@@ -383,6 +367,17 @@ mod tests {
             "{message}"
         );
         assert_eq!(device[0].saved, None);
+    }
+
+    /// A temporary directory holding a sandbox's runtime directory, a snapshot directory and a
+    /// clone's runtime directory.
+    fn three_dirs() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+        let root = tempfile::tempdir().unwrap();
+        let [runtime, snapshot, clone] = ["run", "snap", "clone"].map(|d| root.path().join(d));
+        for d in [&runtime, &snapshot, &clone] {
+            fs::create_dir(d).unwrap();
+        }
+        (root, runtime, snapshot, clone)
     }
 
     fn message_of(result: Result<(), Error>) -> String {
