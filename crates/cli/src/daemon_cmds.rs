@@ -28,6 +28,11 @@ impl DaemonOpts {
     pub(crate) fn client(&self) -> Client {
         Client::new(&self.socket)
     }
+
+    /// The daemon's socket.
+    pub(crate) fn socket(&self) -> &Path {
+        &self.socket
+    }
 }
 
 /// `bulkhead create`: boot a sandbox in the daemon and print its ID.

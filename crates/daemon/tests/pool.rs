@@ -499,3 +499,41 @@ fn an_idle_clone_whose_vmm_dies_is_replaced() {
     );
     assert_eq!(daemon.records().len(), 2, "the dead clone's record is gone");
 }
+
+#[test]
+fn a_daemon_bench_of_the_pools_template_waits_for_each_refill_so_every_create_is_a_hand_out() {
+    // Arrange: a pool of one clone, full.
+    let daemon = daemon_with_pool("[pool]\ntemplate = \"base\"\nsize = 1\n");
+    wait_for_ready(&daemon, 1);
+    let json = daemon.dir.path().join("bench.json");
+
+    // Act: three creates in a row, each of which takes the only clone.
+    let out = Command::new(common::cli())
+        .args(["bench", "--daemon", "--socket"])
+        .arg(&daemon.socket)
+        .args(["--template", "base", "--runs", "3", "--json"])
+        .arg(&json)
+        .args(["--", "echo", "hi"])
+        .output()
+        .unwrap();
+
+    // Assert: every run succeeded, and every create was a hand-out.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", daemon.log());
+    assert!(
+        stdout.contains("3 creates from template base through bulkheadd"),
+        "{stdout}"
+    );
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let ok = report["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["ok"] == true);
+    assert_eq!(ok.count(), 3, "{report}");
+    let handed_out = daemon
+        .log()
+        .matches("sandbox running (from the pool)")
+        .count();
+    assert_eq!(handed_out, 3, "{}", daemon.log());
+}

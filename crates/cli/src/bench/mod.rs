@@ -5,11 +5,15 @@
 //! Every run boots a fresh sandbox (with `--template NAME`: restores a clone of the template
 //! instead, which has no boot phases), runs the command, waits for its first output (or exit
 //! status) and its exit, samples the VMM's memory ([`rss`]) and destroys the sandbox.
+//! With `--daemon` every run goes through `bulkheadd`'s API instead ([`daemon`]): create (cold,
+//! from a template, or handed out by its warm pool), one exec, delete.
+//!
 //! Failures are counted and listed, never fatal: `bench` exits 0 when at least one run
 //! succeeded, 1 when none did, and 125 when it could not run at all (bad arguments, a host
 //! whose KVM cannot boot the guest kernel).
 
 mod compare;
+mod daemon;
 mod plot;
 mod report;
 mod rss;
@@ -22,6 +26,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use bulkhead_client::{CreateSandbox, ExecSpec};
 use bulkhead_sandbox::spec::{new_id, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS};
 use bulkhead_sandbox::{HostSettings, SandboxSpec, PHASE_NAMES};
 use bulkhead_vmm::config::SerialOutput;
@@ -93,9 +98,17 @@ pub struct BenchArgs {
         long,
         num_args = 2,
         value_names = ["A.json", "B.json"],
-        conflicts_with_all = ["runs", "concurrency", "mode", "image", "template", "vcpus", "memory", "boot_timeout", "console", "kernel_args", "json", "plot", "command"]
+        conflicts_with_all = ["runs", "concurrency", "mode", "image", "template", "vcpus", "memory", "boot_timeout", "console", "kernel_args", "json", "plot", "command", "daemon"]
     )]
     compare: Option<Vec<PathBuf>>,
+    /// Create each sandbox through `bulkheadd` (its API on --socket) and run the command with
+    /// one exec: the times an API client pays. --template then names a template of the
+    /// daemon's; when its warm pool keeps that template, each run first waits (untimed) for
+    /// the pool to be full, so that every create is a hand-out. No phases or memory samples.
+    #[arg(long, conflicts_with_all = ["console", "kernel_args"])]
+    daemon: bool,
+    #[command(flatten)]
+    daemon_opts: crate::daemon_cmds::DaemonOpts,
     /// The command each sandbox runs [default: true].
     #[arg(trailing_var_arg = true, value_name = "CMD")]
     command: Vec<String>,
@@ -131,6 +144,11 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
     } else {
         args.command.clone()
     };
+    let patience = Duration::try_from_secs_f64(args.boot_timeout)
+        .map_err(|_| "--boot-timeout must be a non-negative number of seconds")?;
+    if args.daemon {
+        return run_through_daemon(&args, command, patience);
+    }
     let spec = SandboxSpec {
         vcpus: args.vcpus.unwrap_or(DEFAULT_VCPUS),
         memory_mib: args.memory.unwrap_or(DEFAULT_MEMORY_MIB),
@@ -139,8 +157,7 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
         ..SandboxSpec::default()
     };
     let mut host = HostSettings::local();
-    host.ready_timeout = Duration::try_from_secs_f64(args.boot_timeout)
-        .map_err(|_| "--boot-timeout must be a non-negative number of seconds")?;
+    host.ready_timeout = patience;
     if args.console {
         host.console = SerialOutput::Stdout;
     }
@@ -212,11 +229,84 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
             initrd: config.initrd.clone(),
             kernel_args: args.kernel_args.clone(),
             command,
+            daemon: None,
         },
         phases: PHASE_NAMES.iter().map(|p| (*p).to_owned()).collect(),
         runs,
     };
-    print!("{}", table::render(&report));
+    finish(&report, &args)
+}
+
+/// `bulkhead bench --daemon`: the runs through the daemon's API ([`daemon`]).
+fn run_through_daemon(
+    args: &BenchArgs,
+    command: Vec<String>,
+    patience: Duration,
+) -> Result<ExitCode, String> {
+    for path in args.json.iter().chain(&args.plot) {
+        check_writable(path)?;
+    }
+    let client = args.daemon_opts.client();
+    let socket = args.daemon_opts.socket().to_owned();
+    let reachable = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start an async runtime: {e}"))?
+        .block_on(client.health());
+    reachable.map_err(|e| format!("the daemon at {} does not answer: {e}", socket.display()))?;
+    let create = CreateSandbox {
+        vcpus: args.vcpus.unwrap_or(DEFAULT_VCPUS),
+        memory_mib: args.memory.unwrap_or(DEFAULT_MEMORY_MIB),
+        image: args.image.clone(),
+        template: args.template.clone(),
+        ..CreateSandbox::default()
+    };
+    let exec = ExecSpec::new(command.clone());
+    let plan = Plan {
+        runs: args.runs as usize,
+        concurrency: args.concurrency as usize,
+        mode: args.mode,
+    };
+    let daemon_run = daemon::DaemonRun {
+        client: &client,
+        create: &create,
+        exec: &exec,
+        patience,
+    };
+    let progress = progress_bar(plan.runs as u64, "creates");
+    let runs = runner::schedule(&plan, |i| daemon_run.run(i), |r| tick(&progress, r));
+    progress.finish_and_clear();
+    let report = BenchReport {
+        schema: SCHEMA.to_owned(),
+        created_unix_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        host: host_info(),
+        config: BenchConfig {
+            runs: plan.runs,
+            concurrency: plan.concurrency,
+            mode: plan.mode.to_string(),
+            image: args.image.clone(),
+            template: args.template.clone(),
+            vcpus: create.vcpus,
+            memory_mib: create.memory_mib,
+            console: false,
+            kernel: PathBuf::new(),
+            initrd: PathBuf::new(),
+            kernel_args: Vec::new(),
+            command,
+            daemon: Some(socket),
+        },
+        phases: PHASE_NAMES.iter().map(|p| (*p).to_owned()).collect(),
+        runs,
+    };
+    finish(&report, args)
+}
+
+/// Prints `report`'s table, writes its JSON and plot as `args` ask; the exit status: 0 when a
+/// run succeeded, else 1.
+fn finish(report: &BenchReport, args: &BenchArgs) -> Result<ExitCode, String> {
+    print!("{}", table::render(report));
     let json_saved = args.json.as_ref().map(|path| report.save(path));
     let plot_saved = args.plot.as_ref().map(|path| {
         let title = format!(
@@ -226,9 +316,9 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
             report.config.command.join(" "),
             report.config.mode
         );
-        let series = match report.config.template {
-            Some(_) => report.restore_series(),
-            None => report.step_series(),
+        let series = match report.has_phases() {
+            false => report.restore_series(),
+            true => report.step_series(),
         };
         plot::write_svg(path, &title, &series)
     });
@@ -315,6 +405,7 @@ fn output_dirs(args: &BenchArgs) -> Vec<PathBuf> {
 mod tests {
     use super::*;
     use clap::Parser;
+    use std::path::Path;
 
     #[test]
     fn checking_an_output_file_leaves_it_as_it_was() {
@@ -380,6 +471,30 @@ mod tests {
         let err = with_runs.unwrap_err().to_string();
         assert!(err.contains("--runs"), "{err}");
         assert_eq!(alone.unwrap().bench.compare.unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_daemon_bench_refuses_the_flags_of_a_vmm_the_bench_would_run_itself() {
+        // Arrange / Act
+        let console = Cli::try_parse_from(["bench", "--daemon", "--console"]);
+        let kernel_arg = Cli::try_parse_from(["bench", "--daemon", "--kernel-arg", "quiet"]);
+        let pooled = Cli::try_parse_from([
+            "bench",
+            "--daemon",
+            "--socket",
+            "/run/d.sock",
+            "--template",
+            "py",
+        ]);
+
+        // Assert
+        for refused in [console, kernel_arg] {
+            let err = refused.unwrap_err().to_string();
+            assert!(err.contains("cannot be used with"), "{err}");
+        }
+        let pooled = pooled.unwrap().bench;
+        assert!(pooled.daemon);
+        assert_eq!(pooled.daemon_opts.socket(), Path::new("/run/d.sock"));
     }
 
     #[test]

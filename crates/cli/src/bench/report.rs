@@ -26,7 +26,9 @@
 //! `bulkhead_sandbox::phases`); a phase not reached is `null`. A run restored from a template
 //! (`config.template`) has no boot phases: its `phases_ms` and `create_to_vmm_start_ms` are
 //! `null`, and `create_to_ready_ms` (the restore, up to the agent's answer) and
-//! `create_to_first_output_ms` are what it measures, the same fields as a cold start's. A failed run (`ok: false`) has
+//! `create_to_first_output_ms` are what it measures, the same fields as a cold start's. So has
+//! a run through the daemon (`config.daemon`, its socket): `create_to_ready_ms` is the create
+//! request's answer, and its `memory` is `null`. A failed run (`ok: false`) has
 //! its reason in `error` and whatever phases it reached. `memory` is sampled after the
 //! command's exit status arrived, before the VM is destroyed (see `rss`); `null` when it could
 //! not be read. Readers must ignore unknown fields; a new field keeps the schema name, a
@@ -103,6 +105,10 @@ pub struct BenchConfig {
     pub kernel_args: Vec<String>,
     /// The command run in each sandbox.
     pub command: Vec<String>,
+    /// `--daemon`: the socket of the `bulkheadd` every sandbox was created through (absent: the
+    /// bench ran the VMMs itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemon: Option<PathBuf>,
 }
 
 /// One cold start.
@@ -249,10 +255,18 @@ impl BenchReport {
 
     /// What the runs were: `cold starts`, or `restores of template NAME`.
     pub fn kind(&self) -> String {
-        match &self.config.template {
-            Some(name) => format!("restores of template {name}"),
-            None => "cold starts".to_owned(),
+        match (&self.config.template, &self.config.daemon) {
+            (Some(name), None) => format!("restores of template {name}"),
+            (None, None) => "cold starts".to_owned(),
+            (Some(name), Some(_)) => format!("creates from template {name} through bulkheadd"),
+            (None, Some(_)) => "cold creates through bulkheadd".to_owned(),
         }
+    }
+
+    /// Whether the runs have boot phases: cold starts run by the bench itself (a restore has
+    /// none, and the daemon's VMMs report theirs to the daemon).
+    pub fn has_phases(&self) -> bool {
+        self.config.template.is_none() && self.config.daemon.is_none()
     }
 
     /// Failed runs.
@@ -453,6 +467,7 @@ pub(crate) mod tests {
                 initrd: "/k/initramfs.cpio.gz".into(),
                 kernel_args: vec!["mitigations=off".into()],
                 command: vec!["true".into()],
+                daemon: None,
             },
             phases: PHASE_NAMES.iter().map(|s| (*s).to_owned()).collect(),
             runs,

@@ -29,12 +29,21 @@ pub fn render(report: &BenchReport) -> String {
     if ok == 0 {
         out.push_str("no run succeeded, so the tables are empty (they count ok runs only; the JSON keeps every run's phases)\n\n");
     }
-    match &c.template {
-        Some(_) => {
+    match (&c.template, &c.daemon) {
+        (_, Some(socket)) => {
+            let _ = writeln!(
+                out,
+                "(through the daemon at {}: the create's answer, then one exec)",
+                socket.display()
+            );
+            out.push_str(&table("create (ms)", &report.restore_series()));
+            return out + &failures(report);
+        }
+        (Some(_), None) => {
             out.push_str("(restored from a snapshot: no boot phases)\n");
             out.push_str(&table("restore (ms)", &report.restore_series()));
         }
-        None => {
+        (None, None) => {
             out.push_str(&table("phase (ms since VMM start)", &report.phase_series()));
             out.push('\n');
             out.push_str(&table("step (ms)", &report.step_series()));
@@ -47,6 +56,14 @@ pub fn render(report: &BenchReport) -> String {
     };
     out.push_str(&table("memory", std::slice::from_ref(&overhead)));
     out.push_str("  (VmRSS of bulkhead-vmm minus its resident guest RAM, after the command)\n");
+    out + &failures(report)
+}
+
+/// The failed runs, each with its error and the last lines of its VMM log; empty when none
+/// failed.
+fn failures(report: &BenchReport) -> String {
+    let mut out = String::new();
+    let failed = report.failures().count();
     if failed > 0 {
         let _ = writeln!(out, "\nfailures ({failed}):");
         for run in report.failures() {
