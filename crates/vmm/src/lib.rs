@@ -26,6 +26,7 @@ pub mod control;
 pub mod device_manager;
 pub mod devices;
 pub mod exit_report;
+pub mod holes;
 pub mod jail;
 pub mod limits;
 pub mod seccomp;

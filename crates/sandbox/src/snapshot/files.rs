@@ -6,6 +6,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
+use bulkhead_vmm::holes::next_data;
 use bulkhead_vmm::snapshot::{MEMORY_FILE, STATE_FILE};
 
 use crate::sandbox::Error;
@@ -99,28 +100,6 @@ pub(super) fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
         at = end;
     }
     output.sync_all()
-}
-
-/// The next data segment at or after `at`, `None` past the last one.
-fn next_data(file: &File, at: u64, len: u64) -> io::Result<Option<(u64, u64)>> {
-    if at >= len {
-        return Ok(None);
-    }
-    let seek = |offset: u64, whence| -> io::Result<Option<u64>> {
-        let offset = libc::off_t::try_from(offset).map_err(io::Error::other)?;
-        // SAFETY: lseek on a descriptor this function's caller owns; no memory is passed.
-        let found = unsafe { libc::lseek(file.as_raw_fd(), offset, whence) };
-        match found {
-            -1 if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => Ok(None),
-            -1 => Err(io::Error::last_os_error()),
-            n => Ok(Some(n as u64)),
-        }
-    };
-    let Some(start) = seek(at, libc::SEEK_DATA)? else {
-        return Ok(None);
-    };
-    let end = seek(start, libc::SEEK_HOLE)?.unwrap_or(len).min(len);
-    Ok(Some((start, end)))
 }
 
 /// Copies bytes `range.0..range.1` of `input` to the same offsets of `output`.

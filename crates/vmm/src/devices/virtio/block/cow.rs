@@ -14,14 +14,13 @@
 //! without it (the sandbox deletes it with its runtime directory).
 
 use std::fs::File;
-use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use super::io::{open_locked, IoError};
 use super::{Error, SECTOR_SIZE};
+use crate::holes::next_data;
 
 /// Bytes per cluster, the unit of copy-on-write (64 KiB, as qcow2's default cluster).
 pub const CLUSTER_BYTES: u64 = 64 << 10;
@@ -73,7 +72,7 @@ impl Backing {
             });
         }
         let overlay_is_file = overlay.metadata().is_ok_and(|m| m.file_type().is_file());
-        let overlay_data = next_data(overlay, 0).map_err(|source| Error::Open {
+        let overlay_data = next_data(overlay, 0, u64::MAX).map_err(|source| Error::Open {
             path: overlay_path.to_owned(),
             source,
         })?;
@@ -210,11 +209,11 @@ impl Backing {
                 continue;
             }
             let start = cluster * CLUSTER_BYTES;
-            let data = next_data(&self.file, start).map_err(|source| IoError::Read {
+            let data = next_data(&self.file, start, self.size).map_err(|source| IoError::Read {
                 offset: start,
                 source,
             })?;
-            match data {
+            match data.map(|(at, _)| at) {
                 None => break,
                 Some(at) if at >= start + CLUSTER_BYTES => cluster = at / CLUSTER_BYTES,
                 Some(_) => {
@@ -230,24 +229,4 @@ impl Backing {
 fn is_set(bits: &[u64], cluster: u64) -> bool {
     bits.get((cluster / 64) as usize)
         .is_some_and(|word| word & (1 << (cluster % 64)) != 0)
-}
-
-/// The first byte offset at or after `offset` that holds data in `file` (`lseek(SEEK_DATA)`),
-/// `None` when only a hole follows. A file system without `SEEK_DATA` reports all of a file as
-/// data.
-fn next_data(file: &File, offset: u64) -> io::Result<Option<u64>> {
-    let off =
-        libc::off_t::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: lseek on a descriptor `file` keeps open; no memory is passed. Moving the file
-    // position is harmless: every read and write of a disk is positional (pread/pwrite).
-    let at = unsafe { libc::lseek(file.as_raw_fd(), off, libc::SEEK_DATA) };
-    if at >= 0 {
-        return Ok(Some(at as u64));
-    }
-    let err = io::Error::last_os_error();
-    if err.raw_os_error() == Some(libc::ENXIO) {
-        Ok(None)
-    } else {
-        Err(err)
-    }
 }
