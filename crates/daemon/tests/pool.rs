@@ -159,6 +159,16 @@ fn the_pool_fills_hands_out_a_running_clone_with_the_requests_settings_and_refil
     );
     assert_eq!(health.sandboxes, 1);
     assert_eq!(after_refill.len(), 3, "two clones and the sandbox");
+    let warmed = daemon
+        .log()
+        .matches("pool: clone restored, warmed up")
+        .count();
+    assert_eq!(
+        warmed,
+        3,
+        "each clone ran its warm-up exec\n{}",
+        daemon.log()
+    );
 
     // Shutdown destroys the sandbox and the idle clones.
     assert!(daemon.terminate(), "{}", daemon.log());
