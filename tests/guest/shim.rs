@@ -383,7 +383,7 @@ guest_test!(
         let shown = describe;
         assert!(uname.status.success(), "{}", shown(&uname));
         let stdout = String::from_utf8_lossy(&uname.stdout).into_owned();
-        let lines: Vec<&str> = stdout.lines().chain([""; 8]).collect();
+        let lines: Vec<&str> = stdout.lines().chain([""; 10]).collect();
         let release = lines[0];
         assert!(
             !release.is_empty() && release != host_release.trim(),
@@ -433,6 +433,9 @@ guest_test!(
         assert!(metric("memory=") > 1 << 20, "{}", shown(&uname));
         assert!(metric("cpu=") > 0, "{}", shown(&uname));
         assert!(metric("pids=") >= 2, "{}", shown(&uname));
+        // A task whose PID 1 outgrows its 64 MiB guest is OOM-killed there, and containerd
+        // publishes `/tasks/oom` for it (the shim's TaskOOM).
+        assert_eq!(lines[9], "oom: status=137 events=1", "{}", shown(&uname));
         assert_eq!(failing.status.code(), Some(7), "{}", shown(&failing));
         assert_eq!(
             String::from_utf8_lossy(&failing.stdout),
