@@ -26,7 +26,10 @@
 #      bulkhead.io/allow-cidr=127.0.0.1/32:18081 lets out fetches through its pod's egress proxy
 #      from busybox httpd on the host's loopback, and the count of 403 answers for a port no rule
 #      names (`egress: PAGE 1`), the detached task's `ctr task metrics` (`metrics: memory=BYTES
-#      cpu=NS pids=N`), and the resident memory of the first task's shim and VMM (`rss: ...`);
+#      cpu=NS pids=N`), the resident memory of the first task's shim and VMM (`rss: ...`), and
+#      `ctr run --memory-limit` 64 MiB of awk keeping ever more memory, which the guest's OOM
+#      killer kills: its exit status and the count of `/tasks/oom` events containerd published
+#      for it (`ctr events`; `oom: status=137 events=1`);
 #   6. with --faults: kill -9 of a running task's VMM (the task exits with status 255, `ctr run`
 #      with it; its root is unmounted, its cgroup removed), kill -9 of a running task's shim
 #      (containerd runs the shim's `delete`: the task goes, its VMM stops, its root is unmounted
@@ -457,5 +460,22 @@ egress="$(ctr -a "$SOCK" run --rm "${RUNTIME[@]}" \
 kill "$httpd_pid" 2>/dev/null || true
 wait "$httpd_pid" 2>/dev/null || true
 echo "egress:" $egress
+
+log "ctr run --memory-limit 64 MiB of a process that outgrows it: /tasks/oom"
+ctr -a "$SOCK" events >"$WORK/events" 2>/dev/null &
+events_pid=$!
+sleep 0.5
+set +e
+ctr -a "$SOCK" run --rm "${RUNTIME[@]}" --memory-limit $((64 << 20)) "$IMAGE" oom \
+    awk 'BEGIN { s = "x"; for (i = 0; i < 20; i++) s = s s; while (1) a[n++] = s n }' \
+    >/dev/null 2>&1
+oom_status=$?
+set -e
+sleep 0.5
+kill "$events_pid" 2>/dev/null || true
+wait "$events_pid" 2>/dev/null || true
+oom_events="$(grep '/tasks/oom' "$WORK/events" | grep -c '"container_id":"oom"' || true)"
+
 echo "$metrics"
 echo "$rss"
+echo "oom: status=$oom_status events=$oom_events"

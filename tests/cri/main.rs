@@ -17,8 +17,15 @@
 //! boot: a1=<guest boot id> a2=<...> b1=<...>
 //! kernel: <a1's uname -r>
 //! exec: code=3 stdout=out stderr=err
+//! update: ok=true memory.max=<bytes> cpu.max=150000 100000 cpu.weight=20
+//! update-below-ram: refused
 //! vmms: running=2 after=0
 //! ```
+//!
+//! The pods' cgroup parent is [`CGROUP_PARENT`], so each pod VM has a host cgroup
+//! (`<CGROUP_PARENT>/<pod id>`); `update:` is `UpdateContainerResources` of a1 (1 GiB, a quota of
+//! 1.5 CPUs, 512 shares) and what the pod VM's cgroup v2 files say after it, `update-below-ram:`
+//! the same with 64 MiB, below the guest's RAM (`refused` when the error says it cannot shrink).
 //!
 //! The VMMs are counted on this host: `bulkhead-vmm` processes whose parent is a
 //! `containerd-shim-bulkhead-v2`. Exits non-zero, naming the call, when one fails.
@@ -32,9 +39,10 @@ use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
-    ImageStatusRequest, LinuxPodSandboxConfig, LinuxSandboxSecurityContext, NamespaceMode,
-    NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest,
-    RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest, VersionRequest,
+    ImageStatusRequest, LinuxContainerResources, LinuxPodSandboxConfig,
+    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig,
+    PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
+    StopPodSandboxRequest, UpdateContainerResourcesRequest, VersionRequest,
 };
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -43,6 +51,11 @@ type Fallible<T> = Result<T, Box<dyn Error>>;
 
 /// The runtime handler containerd's configuration maps to `io.containerd.bulkhead.v2`.
 const HANDLER: &str = "bulkhead";
+/// The pods' cgroup parent (cgroupfs form: each pod sandbox's cgroup is `<parent>/<pod id>`).
+const CGROUP_PARENT: &str = "/bulkhead-cri-check";
+/// Where the cgroup v2 hierarchy is mounted.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
 /// How long the whole check may take: pod starts boot VMs in the nested test host.
 const PATIENCE: Duration = Duration::from_secs(400);
 
@@ -180,6 +193,7 @@ async fn check(socket: PathBuf, image: &str) -> Fallible<()> {
         text(&failing.stdout),
         text(&failing.stderr)
     );
+    update(&mut cri, &pod_a, &a1).await?;
     let running = pod_vmms();
     for pod in [&pod_a, &pod_b] {
         let stop = StopPodSandboxRequest {
@@ -210,6 +224,7 @@ async fn run_pod(cri: &mut Client, name: &str) -> Fallible<(String, PodSandboxCo
         }),
         hostname: format!("pod-{name}"),
         linux: Some(LinuxPodSandboxConfig {
+            cgroup_parent: CGROUP_PARENT.into(),
             security_context: Some(LinuxSandboxSecurityContext {
                 namespace_options: Some(NamespaceOption {
                     network: NamespaceMode::Node.into(),
@@ -259,6 +274,47 @@ async fn start_container(
     };
     call("StartContainer", cri.start_container(start).await)?;
     Ok(created.container_id)
+}
+
+/// UpdateContainerResources of container `id` (of pod `pod`): 1 GiB, then 64 MiB; prints the pod
+/// VM's cgroup files after the first and whether the second was refused.
+async fn update(cri: &mut Client, pod: &str, id: &str) -> Fallible<()> {
+    let request = |memory: i64| UpdateContainerResourcesRequest {
+        container_id: id.into(),
+        linux: Some(LinuxContainerResources {
+            cpu_period: 100_000,
+            cpu_quota: 150_000,
+            cpu_shares: 512,
+            memory_limit_in_bytes: memory,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let updated = cri.update_container_resources(request(1 << 30)).await;
+    if let Err(e) = &updated {
+        eprintln!("UpdateContainerResources: {e}");
+    }
+    let cgroup = PathBuf::from(format!("{CGROUP_ROOT}{CGROUP_PARENT}/{pod}"));
+    let read = |file: &str| {
+        std::fs::read_to_string(cgroup.join(file))
+            .map(|text| text.trim().to_owned())
+            .unwrap_or_else(|e| format!("({e})"))
+    };
+    println!(
+        "update: ok={} memory.max={} cpu.max={} cpu.weight={}",
+        updated.is_ok(),
+        read("memory.max"),
+        read("cpu.max"),
+        read("cpu.weight")
+    );
+    let below = cri.update_container_resources(request(64 << 20)).await;
+    let verdict = match below {
+        Ok(_) => "accepted".to_owned(),
+        Err(e) if e.message().contains("cannot shrink") => "refused".to_owned(),
+        Err(e) => format!("failed: {e}"),
+    };
+    println!("update-below-ram: {verdict}");
+    Ok(())
 }
 
 /// ExecSync of `cmd` in container `id` (60 s timeout).

@@ -48,6 +48,17 @@ guest_test!(
             stdout.contains("exec: code=3 stdout=out stderr=err"),
             "{shown}"
         );
+        // UpdateContainerResources reaches the pod VM's cgroup: 1 GiB plus the VMM's allowance,
+        // a quota of 1.5 CPUs, 512 shares as a weight; 64 MiB, below the guest's RAM, is refused.
+        let memory =
+            (1024 + u64::from(bulkhead_sandbox::spec::DEFAULT_VMM_MEMORY_OVERHEAD_MIB)) << 20;
+        assert!(
+            stdout.contains(&format!(
+                "update: ok=true memory.max={memory} cpu.max=150000 100000 cpu.weight=20"
+            )),
+            "{shown}"
+        );
+        assert!(stdout.contains("update-below-ram: refused"), "{shown}");
         // One VMM per pod while they run; none once they are removed.
         assert!(stdout.contains("vmms: running=2 after=0"), "{shown}");
     }

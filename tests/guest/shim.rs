@@ -12,8 +12,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use bulkhead_shim::backend::{Backend, ContainerSpec, ExecProcess, StartSpec};
+use bulkhead_shim::service::{CreateTask, TaskService};
 use bulkhead_shim::state::{ProcessKey, Stdio};
 use bulkhead_shim::vm::{SharedVmBackend, VmBackend};
+use bulkhead_shim::{EventSink, TaskEvent};
 use bulkhead_tests::containerd::demo;
 use bulkhead_tests::pty::{collect, lflag, terminal};
 use bulkhead_tests::{describe, guest_test, sandbox_config};
@@ -122,14 +124,14 @@ guest_test!(
                 stdin_closed: false,
             };
             let exec_started = backend.start(&e).await.unwrap();
-            let exec_status = exec_started.exit.await.unwrap().status;
+            let exec_status = exec_started.exit.await.unwrap().exit.status;
             std::fs::OpenOptions::new()
                 .write(true)
                 .open(&init_io.stdin)
                 .unwrap()
                 .write_all(b"go\n")
                 .unwrap();
-            let status = started.exit.await.unwrap().status;
+            let status = started.exit.await.unwrap().exit.status;
             backend.delete("c1", "c1").await.unwrap();
             (status, exec_status)
         });
@@ -233,12 +235,12 @@ guest_test!(
                 .unwrap();
             let started2 = backend.start(&init("c2", &io2)).await.unwrap();
             say(&io2.stdin, "two\n");
-            let status2 = started2.exit.await.unwrap().status;
+            let status2 = started2.exit.await.unwrap().exit.status;
             backend.delete("c2", "p1").await.unwrap();
             let left = std::fs::read_dir(&pod_dir)
                 .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>());
             say(&io1.stdin, "one\n");
-            let status1 = started1.exit.await.unwrap().status;
+            let status1 = started1.exit.await.unwrap().exit.status;
             backend.delete("c1", "p1").await.unwrap();
             (vmm1, vmm2, status1, status2, left)
         });
@@ -264,6 +266,65 @@ guest_test!(
             !pod_dir.exists(),
             "the pod's roots go with its last container"
         );
+    }
+);
+
+/// Keeps the events the task service publishes.
+#[derive(Default)]
+struct Events(std::sync::Mutex<Vec<TaskEvent>>);
+
+impl EventSink for Events {
+    fn publish(&self, event: TaskEvent) {
+        self.0.lock().unwrap().push(event);
+    }
+}
+
+guest_test!(
+    fn a_container_that_outgrows_the_guests_memory_is_oom_killed_and_reported_as_task_oom() {
+        // Arrange: PID 1 of the container is awk, keeping 1 MiB more each turn, in a 128 MiB guest.
+        let dir = tempfile::tempdir().unwrap();
+        bundle(
+            dir.path(),
+            "echo hog; exec awk 'BEGIN { s = \"x\"; for (i = 0; i < 20; i++) s = s s; while (1) a[n++] = s n }'",
+        );
+        symlink("busybox", dir.path().join("rootfs/bin/awk")).unwrap();
+        let io = stdio(dir.path(), "hog", false);
+        let (out, _err) = (drain(io.stdout.clone()), drain(io.stderr.clone()));
+        let backend = SharedVmBackend(Arc::new(VmBackend::new(Some(sandbox_config()))));
+        let events = Arc::new(Events::default());
+        let service = TaskService::new(backend, Arc::clone(&events) as Arc<dyn EventSink>);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let key = ProcessKey::init("hog");
+
+        // Act
+        let exit = rt.block_on(async {
+            let create = CreateTask {
+                id: "hog".into(),
+                bundle: dir.path().to_str().unwrap().into(),
+                stdio: io.clone(),
+                ..Default::default()
+            };
+            service.create(create).await.unwrap();
+            service.start(&key).await.unwrap();
+            let exit = service.wait(&key).await.unwrap();
+            service.delete(&key).await.unwrap();
+            exit
+        });
+
+        // Assert
+        assert_eq!(out.join().unwrap(), "hog\n");
+        assert_eq!(exit.status, 137, "SIGKILL");
+        let events = events.0.lock().unwrap().clone();
+        let topics: Vec<&str> = events.iter().map(TaskEvent::topic).collect();
+        let oom = topics.iter().position(|t| *t == "/tasks/oom");
+        let exited = topics.iter().position(|t| *t == "/tasks/exit");
+        assert!(
+            oom.is_some() && oom < exited,
+            "TaskOOM before TaskExit: {topics:?}"
+        );
+        assert!(events.contains(&TaskEvent::Oom {
+            container_id: "hog".into()
+        }));
     }
 );
 
@@ -322,7 +383,7 @@ guest_test!(
         let shown = describe;
         assert!(uname.status.success(), "{}", shown(&uname));
         let stdout = String::from_utf8_lossy(&uname.stdout).into_owned();
-        let lines: Vec<&str> = stdout.lines().chain([""; 8]).collect();
+        let lines: Vec<&str> = stdout.lines().chain([""; 10]).collect();
         let release = lines[0];
         assert!(
             !release.is_empty() && release != host_release.trim(),
@@ -372,6 +433,9 @@ guest_test!(
         assert!(metric("memory=") > 1 << 20, "{}", shown(&uname));
         assert!(metric("cpu=") > 0, "{}", shown(&uname));
         assert!(metric("pids=") >= 2, "{}", shown(&uname));
+        // A task whose PID 1 outgrows its 64 MiB guest is OOM-killed there, and containerd
+        // publishes `/tasks/oom` for it (the shim's TaskOOM).
+        assert_eq!(lines[9], "oom: status=137 events=1", "{}", shown(&uname));
         assert_eq!(failing.status.code(), Some(7), "{}", shown(&failing));
         assert_eq!(
             String::from_utf8_lossy(&failing.stdout),

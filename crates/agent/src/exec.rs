@@ -30,6 +30,7 @@ use bulkhead_protocol::{
 
 use crate::conn::Conn;
 use crate::log;
+use crate::oom;
 use crate::pty;
 use crate::reaper::ExitWatch;
 use crate::spawn::{self, Outcome, Spawned};
@@ -67,10 +68,12 @@ pub fn serve(conn: Conn, req: &ExecRequest) {
                     code: Some(code),
                     signal: None,
                     timed_out: false,
+                    oom_killed: false,
                 }),
             ],
         ),
         Outcome::Running(child) => {
+            oom::forget(child.pid as u32);
             let deadline = req
                 .timeout_ms
                 .map(|ms| Instant::now() + Duration::from_millis(ms));
@@ -121,6 +124,7 @@ pub fn exit_status(raw: libc::c_int, timed_out: bool) -> ExitStatus {
         code,
         signal,
         timed_out,
+        oom_killed: false,
     }
 }
 
@@ -274,8 +278,12 @@ impl ExecLoop {
             }
         }
         let raw = self.status.unwrap_or(0);
-        self.out
-            .push_frame(&Frame::Exit(exit_status(raw, self.timed_out)));
+        let mut status = exit_status(raw, self.timed_out);
+        // A `SIGKILL` the agent sent for a timeout is not the OOM killer's.
+        status.oom_killed = !self.timed_out
+            && status.signal == Some(libc::SIGKILL)
+            && oom::was_killed(self.pgid as u32);
+        self.out.push_frame(&Frame::Exit(status));
         self.flush_blocking();
     }
 

@@ -10,7 +10,8 @@
 //! share under a private overlay, whose change set it reports on request ([`changes`]). With
 //! `bulkhead.egress=on` it relays `127.0.0.1:3128` to the host's egress proxy ([`egress`]).
 //! A `tty` exec runs on a pseudo-terminal ([`pty`]); a container exec in a container's root and
-//! namespaces ([`container`]).
+//! namespaces ([`container`]); a command the guest's OOM killer killed is told from the kernel
+//! log ([`oom`]).
 //! After the VM is restored from a snapshot the host says so, and the agent makes the clone a
 //! machine of its own: fresh entropy, the current time, maybe a new hostname ([`restore`]).
 //!
@@ -32,6 +33,7 @@ pub mod init;
 pub mod log;
 pub mod mountinfo;
 pub mod mounts;
+pub mod oom;
 pub mod pty;
 pub mod reaper;
 pub mod restore;

@@ -20,7 +20,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulkhead_agent::server::{self, Listener, ReadyTarget, ShutdownAction};
-use bulkhead_agent::{clock, egress, init, log, mounts, reaper, restore, rootfs, vsock, workspace};
+use bulkhead_agent::{
+    clock, egress, init, log, mounts, oom, reaper, restore, rootfs, vsock, workspace,
+};
 use bulkhead_protocol::boot::BootParams;
 use bulkhead_protocol::{BootTimestamps, Ready, AGENT_PORT, PROTOCOL_VERSION};
 
@@ -133,6 +135,10 @@ fn run_pid1(started: BootTimestamps) -> ! {
     }
     // A command must never run without the directory it was promised (see `mounts`).
     mounts::mount_all(&params.mounts).unwrap_or_else(|e| fatal("shared directory", &e));
+    // Before any command runs: its OOM kill, if any, is told from the kernel log's later records.
+    if let Err(e) = oom::watch() {
+        log!("{e}; OOM kills are not reported");
+    }
     if let Err(e) = reaper::start(true) {
         log!("{e}; rebooting");
         init::reboot();

@@ -76,6 +76,7 @@ fn every_kind_of_frame() -> Vec<Frame> {
             code: None,
             signal: Some(9),
             timed_out: true,
+            oom_killed: true,
         }),
         Frame::Data(vec![]),
         Frame::End,

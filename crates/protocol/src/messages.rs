@@ -157,6 +157,13 @@ pub struct ExitStatus {
     /// True when the agent killed the process group because `timeout_ms` passed.
     #[serde(default)]
     pub timed_out: bool,
+    /// True when the guest kernel's OOM killer killed the command itself (the process the agent
+    /// started: for a container exec the container's PID 1 or the exec's process), as the
+    /// guest's kernel log says. Left off the wire when false; agents that predate the field
+    /// never send it, and hosts that predate it ignore it. A claim of the guest's: the host
+    /// reports it (containerd's `TaskOOM`) and trusts it for nothing else.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub oom_killed: bool,
 }
 
 impl ExitStatus {
@@ -506,6 +513,7 @@ mod tests {
             code,
             signal,
             timed_out: false,
+            oom_killed: false,
         };
 
         // Act
@@ -518,6 +526,35 @@ mod tests {
 
         // Assert
         assert_eq!(codes, [Some(3), Some(137), None]);
+    }
+
+    #[test]
+    fn an_oom_kill_is_sent_only_when_true_and_older_exits_read_as_not_oom_killed() {
+        // Arrange
+        let old_agent = r#"{"code":null,"signal":9,"timed_out":false}"#;
+        let killed = ExitStatus {
+            code: None,
+            signal: Some(9),
+            timed_out: false,
+            oom_killed: true,
+        };
+        let plain = ExitStatus {
+            oom_killed: false,
+            ..killed
+        };
+
+        // Act
+        let from_old: ExitStatus = serde_json::from_str(old_agent).unwrap();
+        let killed_json = serde_json::to_string(&killed).unwrap();
+        let plain_json = serde_json::to_string(&plain).unwrap();
+
+        // Assert
+        assert!(!from_old.oom_killed);
+        assert!(
+            killed_json.contains(r#""oom_killed":true"#),
+            "{killed_json}"
+        );
+        assert_eq!(plain_json, old_agent);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! A backend owns one microVM per pod (the pod is [`ContainerSpec::pod`]): `create` boots the
 //! pod's VM or joins the one already running and prepares the container's root file system in it;
-//! `start` runs a process there and hands back a channel that reports its exit; the rest act on a
+//! `start` runs a process there and hands back a channel that reports its exit (and whether it
+//! was OOM-killed); the rest act on a
 //! running process or container. The task service calls it only for transitions the state machine
 //! allows, and never while it holds its lock.
 
@@ -107,14 +108,36 @@ pub struct StartSpec {
     pub stdin_closed: bool,
 }
 
-/// A started process: its pid and the channel that reports its exit. A backend that drops the
+/// How a started process ended, as the backend reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ended {
+    /// Its exit status and time.
+    pub exit: Exit,
+    /// It was killed for want of memory: by the guest's OOM killer (the agent's claim, which is
+    /// reported and trusted for nothing else) or, with the pod's VM, by the host's (an
+    /// `oom_kill` counted in the pod cgroup's `memory.events`). The service publishes `TaskOOM`
+    /// for its container before `TaskExit`.
+    pub oom_killed: bool,
+}
+
+impl Ended {
+    /// An end without an OOM kill.
+    pub fn exited(exit: Exit) -> Ended {
+        Ended {
+            exit,
+            oom_killed: false,
+        }
+    }
+}
+
+/// A started process: its pid and the channel that reports its end. A backend that drops the
 /// sender without sending (the VM died) makes the process exit with status 255.
 #[derive(Debug)]
 pub struct Started {
     /// The process's pid.
     pub pid: u32,
-    /// Receives the process's exit, once.
-    pub exit: oneshot::Receiver<Exit>,
+    /// Receives the process's end, once.
+    pub exit: oneshot::Receiver<Ended>,
 }
 
 /// The `Update` request's new resources, as containerd sends them (a protobuf `Any`; for Linux

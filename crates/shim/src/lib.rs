@@ -14,7 +14,8 @@
 //!    each transition publishes, in transition order, to an [`EventSink`]. Synchronous, pure Rust.
 //! 2. [`service`]: [`TaskService`], which checks a request against the state machine, asks the
 //!    [`Backend`] (the microVM side: create a container, start a process, signal it, resize its
-//!    terminal, close its stdin, report its exit, stats) to do the work, and records the outcome.
+//!    terminal, close its stdin, report its exit and whether it was OOM-killed, update its
+//!    limits, stats) to do the work, and records the outcome.
 //! 3. [`ttrpc`]: the thin adapter from containerd's protobuf requests to the service and from its
 //!    errors to the ttRPC status codes containerd expects; [`shim`]: the `start`/`delete`
 //!    subcommands and the process's main loop (the `containerd-shim` crate's async `Shim`).
@@ -37,6 +38,7 @@ pub mod service;
 pub mod shim;
 pub mod state;
 pub mod ttrpc;
+pub mod update;
 pub mod vm;
 
 #[cfg(test)]

@@ -15,6 +15,8 @@
 //! (a slice `a-b.slice` lives at `a.slice/a-b.slice`). The directory is made directly, not as a
 //! systemd unit.
 
+use std::path::{Path, PathBuf};
+
 use bulkhead_sandbox::cgroup::{CgroupError, CgroupSpec, Version, VmCgroup, VmLimits};
 use bulkhead_sandbox::spec::{min_pids, DEFAULT_PIDS_MAX, DEFAULT_VMM_MEMORY_OVERHEAD_MIB};
 use oci_spec::runtime::Spec;
@@ -130,9 +132,88 @@ pub fn remove_stale(spec: &Spec) {
     }
 }
 
+/// The `oom_kill` count in the text of a v2 `memory.events` or a v1 `memory.oom_control` (both
+/// have an `oom_kill N` line); 0 without one.
+pub fn oom_kills(text: &str) -> u64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix("oom_kill "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether the host's OOM killer has killed in the pod's cgroup since the VM booted: what the
+/// cgroup's `oom_kill` counter says now against what it said then. The cgroup holds only the
+/// VMM, so a kill there is the VMM's (and with it the whole pod's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostOom {
+    file: PathBuf,
+    baseline: u64,
+}
+
+impl HostOom {
+    /// Watches `cgroup` from now: its v2 `memory.events` or v1 `memory.oom_control`; `None` when
+    /// it has neither.
+    pub fn of(cgroup: &VmCgroup) -> Option<HostOom> {
+        let files = ["memory.events", "memory.oom_control"];
+        let file = cgroup
+            .dirs()
+            .into_iter()
+            .flat_map(|dir| files.map(|f| dir.join(f)))
+            .find(|f| f.is_file())?;
+        Some(HostOom::at(file))
+    }
+
+    /// Watches the counter in `file` from now.
+    pub fn at(file: PathBuf) -> HostOom {
+        let baseline = read_oom_kills(&file);
+        HostOom { file, baseline }
+    }
+
+    /// Whether the counter has grown since the watch began (false when it cannot be read).
+    pub fn killed(&self) -> bool {
+        read_oom_kills(&self.file) > self.baseline
+    }
+}
+
+fn read_oom_kills(file: &Path) -> u64 {
+    std::fs::read_to_string(file)
+        .map(|text| oom_kills(&text))
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kill_counted_after_the_watch_began_is_the_hosts_oom_kill() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let events = dir.path().join("memory.events");
+        std::fs::write(&events, "low 0\nhigh 0\nmax 9\noom 2\noom_kill 1\n").unwrap();
+        let watch = HostOom::at(events.clone());
+        let before = watch.killed();
+
+        // Act
+        std::fs::write(&events, "low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\n").unwrap();
+
+        // Assert
+        assert!(!before);
+        assert!(watch.killed());
+    }
+
+    #[test]
+    fn the_oom_kill_line_is_read_from_v2_and_v1_files() {
+        // Act
+        let counts = [
+            oom_kills("low 0\noom 1\noom_kill 4\noom_group_kill 0\n"),
+            oom_kills("oom_kill_disable 0\nunder_oom 0\noom_kill 7\n"),
+            oom_kills("garbage"),
+        ];
+
+        // Assert
+        assert_eq!(counts, [4, 7, 0]);
+    }
 
     fn spec_with(path: Option<&str>) -> Spec {
         let mut linux = oci_spec::runtime::Linux::default();

@@ -4,14 +4,15 @@
 //! Each request is checked against the state machine first, so the backend is asked only for
 //! transitions the machine allows; the lock on the machine is never held across a backend call.
 //! A started process's exit is awaited on a task of its own, which records it (publishing
-//! `TaskExit`) and releases the process's waiters.
+//! `TaskExit`, after `TaskOOM` when the backend says the process was OOM-killed) and releases
+//! the process's waiters.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
 use crate::backend::{
-    Backend, BackendError, ContainerSpec, ExecProcess, Resources, StartSpec, Stats,
+    Backend, BackendError, ContainerSpec, Ended, ExecProcess, Resources, StartSpec, Stats,
 };
 use crate::events::{EventSink, Mount};
 use crate::state::{
@@ -176,12 +177,18 @@ impl<B: Backend> TaskService<B> {
         let service = self.clone();
         let key = key.clone();
         tokio::spawn(async move {
-            let lost = Exit {
+            let lost = Ended::exited(Exit {
                 status: LOST_STATUS,
                 at: SystemTime::now(),
-            };
-            let exit = started.exit.await.unwrap_or(lost);
-            service.record_exit(&key, exit).await;
+            });
+            let ended = started.exit.await.unwrap_or(lost);
+            if ended.oom_killed {
+                // Before `TaskExit`, as containerd's CRI plugin expects to mark the exit OOMKilled.
+                if let Err(e) = service.report_oom(&key.container) {
+                    tracing::warn!("reporting the OOM kill of {key}: {e}");
+                }
+            }
+            service.record_exit(&key, ended.exit).await;
         });
         Ok(started.pid)
     }
@@ -294,7 +301,7 @@ impl<B: Backend> TaskService<B> {
         self.tasks().is_empty()
     }
 
-    /// Publishes `TaskOOM` for a container; for the backend's memory monitor.
+    /// Publishes `TaskOOM` for a container (what a process's [`Ended::oom_killed`] becomes).
     pub fn report_oom(&self, container: &str) -> Result<(), ServiceError> {
         Ok(self.tasks().oom(container)?)
     }

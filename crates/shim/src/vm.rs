@@ -24,8 +24,11 @@
 //! The VM's size is the first container's (under Kubernetes, the pod sandbox's, whose spec has
 //! the pod's annotations). `Stats` reports the pod VM's usage as its host cgroup counts it (memory
 //! charged, CPU time, threads; the same for every container of the pod) and the guest's RAM as
-//! the memory limit. Not yet: resource updates (Update is refused) and per-container usage inside
-//! the guest.
+//! the memory limit. `Update` sets the pod VM's cgroup v2 limits ([`crate::update`]); the
+//! guest's RAM and vCPUs stay as booted. A process the guest's OOM killer killed (the agent's
+//! `oom_killed`), and a container's first process lost with a VMM the host's OOM killer killed
+//! ([`pod_cgroup::HostOom`]), end OOM-killed, which the task service publishes as `TaskOOM`. Not
+//! yet: per-container usage inside the guest.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -37,21 +40,22 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use bulkhead_protocol::client::{AgentClient, ExecEvent, ExecReader, ExecWriter};
 use bulkhead_protocol::{ExecRequest, ExitStatus, WindowSize};
-use bulkhead_sandbox::cgroup::VmCgroup;
+use bulkhead_sandbox::cgroup::{Version, VmCgroup};
 use bulkhead_sandbox::ingress::Published;
 use bulkhead_sandbox::{Mount as Share, Sandbox, SandboxConfig};
 use oci_spec::runtime::{Process, Spec};
 use tokio::sync::oneshot;
 
 use crate::backend::{
-    Backend, BackendError, ContainerSpec, ExecProcess, Resources, StartSpec, Started, Stats,
+    Backend, BackendError, ContainerSpec, Ended, ExecProcess, Resources, StartSpec, Started, Stats,
 };
 use crate::network;
 use crate::oci;
-use crate::pod_cgroup;
+use crate::pod_cgroup::{self, HostOom};
 use crate::pod_roots::{PodRoots, PODS_DIR};
 use crate::ports;
 use crate::state::{Exit, ProcessKey, Stdio};
+use crate::update;
 
 /// Where each container's root is shared in the guest: `<GUEST_ROOTS>/<container id>`.
 pub const GUEST_ROOTS: &str = "/run/bulkhead/containers";
@@ -68,6 +72,9 @@ struct Pod {
     /// The pod's forwarded ports ([`crate::ports`]); dropped with the pod.
     _published: Option<Published>,
     memory_mib: u32,
+    vcpus: u8,
+    /// The host OOM killer's count in the pod's cgroup since the boot.
+    host_oom: Option<HostOom>,
     /// How long a request to the pod's agent may wait for an answer: the boot timeout.
     patience: Duration,
     /// The proxy variables of the pod's network for its containers ([`crate::network`]).
@@ -79,6 +86,10 @@ struct Pod {
 /// (the kubelet's own patience is minutes).
 pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
+/// What starting a process needs: the agent request, the client of the container's VM and,
+/// for a container's first process, the pod's host OOM watch.
+type Request = (ExecRequest, AgentClient, Option<HostOom>);
+
 /// One container.
 struct Container {
     pod: String,
@@ -89,6 +100,8 @@ struct Container {
     init_pid: Option<u32>,
     /// The pod network's proxy variables, added to each process's environment.
     proxy_env: Vec<(String, String)>,
+    /// The pod's host OOM watch ([`Pod::host_oom`]).
+    host_oom: Option<HostOom>,
 }
 
 /// The microVM backend (see the module documentation).
@@ -191,9 +204,11 @@ impl VmBackend {
         Ok(Pod {
             sandbox,
             roots,
+            host_oom: cgroup.as_ref().and_then(HostOom::of),
             cgroup,
             _published: published,
             memory_mib: size.memory_mib,
+            vcpus: size.vcpus,
             // The first exec of a guest that has just come up on a loaded host can take far
             // longer than the client's default 10 s to start, as for `bulkhead run`.
             patience: config.ready_timeout.max(Duration::from_secs(10)),
@@ -226,7 +241,7 @@ impl VmBackend {
             let pod = self.boot(&oci_spec, roots)?;
             lock(&self.pods).insert(spec.pod.clone(), pod);
         }
-        let (pid, client, proxy_env) = {
+        let (pid, client, proxy_env, host_oom) = {
             let pods = lock(&self.pods);
             let pod = pods
                 .get(&spec.pod)
@@ -241,6 +256,7 @@ impl VmBackend {
                 pod.sandbox.vmm_pid().unwrap_or(0),
                 client,
                 pod.proxy_env.clone(),
+                pod.host_oom.clone(),
             )
         };
         let container = Container {
@@ -255,13 +271,15 @@ impl VmBackend {
             client,
             init_pid: None,
             proxy_env,
+            host_oom,
         };
         lock(&self.containers).insert(spec.id.clone(), container);
         Ok(pid)
     }
 
-    /// The agent request for `spec` and the client of its container's VM.
-    fn request_for(&self, spec: &StartSpec) -> Result<(ExecRequest, AgentClient), BackendError> {
+    /// The agent request for `spec`, the client of its container's VM and, for a container's
+    /// first process, the pod's host OOM watch.
+    fn request_for(&self, spec: &StartSpec) -> Result<Request, BackendError> {
         let containers = lock(&self.containers);
         let c = containers
             .get(&spec.key.container)
@@ -286,11 +304,13 @@ impl VmBackend {
         .map_err(|e| BackendError::InvalidArgument(e.to_string()))?;
         let mut req = req;
         network::add_proxy_env(&mut req.env, &c.proxy_env);
-        Ok((req, c.client.clone()))
+        // A VMM the host killed takes every process along; its first process tells of it.
+        let host_oom = spec.exec.is_none().then(|| c.host_oom.clone()).flatten();
+        Ok((req, c.client.clone(), host_oom))
     }
 
     fn start_blocking(&self, spec: &StartSpec) -> Result<Started, BackendError> {
-        let (req, client) = self.request_for(spec)?;
+        let (req, client, host_oom) = self.request_for(spec)?;
         let session = client.exec(&req).map_err(failed)?;
         let pid = session.pid().ok_or_else(|| {
             BackendError::InvalidArgument(format!("{:?} could not be run", req.argv))
@@ -303,7 +323,7 @@ impl VmBackend {
         }
         lock(&self.running).insert(spec.key.clone(), writer.clone());
         let (tx, rx) = oneshot::channel();
-        pump_output(reader, spec.stdio.clone(), tx);
+        pump_output(reader, spec.stdio.clone(), host_oom, tx);
         if req.stdin {
             pump_input(spec.stdio.stdin.clone(), writer);
         }
@@ -315,6 +335,41 @@ impl VmBackend {
             .get(key)
             .cloned()
             .ok_or_else(|| BackendError::NotFound(format!("{key:?}")))
+    }
+
+    /// Applies `resources` to the cgroup v2 of `container_id`'s pod VM ([`crate::update`]).
+    fn update_blocking(
+        &self,
+        container_id: &str,
+        resources: &Resources,
+    ) -> Result<(), BackendError> {
+        let pod_id = lock(&self.containers)
+            .get(container_id)
+            .map(|c| c.pod.clone())
+            .ok_or_else(|| BackendError::NotFound(container_id.into()))?;
+        let pods = lock(&self.pods);
+        let pod = pods
+            .get(&pod_id)
+            .ok_or_else(|| BackendError::NotFound(pod_id.clone()))?;
+        let unsupported =
+            |why: &str| BackendError::Unimplemented(format!("update of pod {pod_id}: {why}"));
+        let cgroup = pod.cgroup.as_ref().ok_or_else(|| {
+            unsupported("its VM has no host cgroup (no linux.cgroupsPath, or no cgroup hierarchy)")
+        })?;
+        if cgroup.spec().version != Version::V2 {
+            return Err(unsupported("resource updates need a cgroup v2 host"));
+        }
+        let dir = cgroup
+            .dirs()
+            .into_iter()
+            .next()
+            .ok_or_else(|| unsupported("no cgroup directory"))?;
+        let vm = update::PodVm {
+            cgroup_dir: &dir,
+            memory_mib: pod.memory_mib,
+            vcpus: pod.vcpus,
+        };
+        Ok(update::apply(&vm, resources)?)
     }
 
     fn delete_blocking(&self, container_id: &str, pod: &str) -> Result<(), BackendError> {
@@ -411,16 +466,22 @@ fn open_out(path: &str) -> Option<File> {
         .flatten()
 }
 
-/// Copies the exec's output to containerd's FIFOs on a thread of its own, then reports its exit
-/// (a stream that breaks first reports [`LOST`]).
-fn pump_output(mut reader: ExecReader, stdio: Stdio, tx: oneshot::Sender<Exit>) {
+/// Copies the exec's output to containerd's FIFOs on a thread of its own, then reports its end:
+/// OOM-killed when the agent says so, or, for a stream that breaks first ([`LOST`]), when
+/// `host_oom` counts a kill of the VMM.
+fn pump_output(
+    mut reader: ExecReader,
+    stdio: Stdio,
+    host_oom: Option<HostOom>,
+    tx: oneshot::Sender<Ended>,
+) {
     std::thread::spawn(move || {
         let mut out = open_out(&stdio.stdout);
         let mut err = match stdio.terminal {
             true => None,
             false => open_out(&stdio.stderr),
         };
-        let status = loop {
+        let (status, oom_killed) = loop {
             match reader.next_event() {
                 Ok(Some(ExecEvent::Stdout(b))) => {
                     out.as_mut().map(|f| f.write_all(&b));
@@ -428,15 +489,16 @@ fn pump_output(mut reader: ExecReader, stdio: Stdio, tx: oneshot::Sender<Exit>) 
                 Ok(Some(ExecEvent::Stderr(b))) => {
                     err.as_mut().map(|f| f.write_all(&b));
                 }
-                Ok(Some(ExecEvent::Exit(s))) => break status_of(&s),
-                Ok(None) | Err(_) => break LOST,
+                Ok(Some(ExecEvent::Exit(s))) => break (status_of(&s), s.oom_killed),
+                Ok(None) | Err(_) => break (LOST, host_oom.is_some_and(|h| h.killed())),
             }
         };
         drop((out, err));
-        let _ = tx.send(Exit {
+        let exit = Exit {
             status,
             at: SystemTime::now(),
-        });
+        };
+        let _ = tx.send(Ended { exit, oom_killed });
     });
 }
 
@@ -504,10 +566,9 @@ impl Backend for SharedVmBackend {
     async fn close_stdin(&self, key: &ProcessKey) -> Result<(), BackendError> {
         self.0.writer(key)?.close_stdin().map_err(failed)
     }
-    async fn update(&self, _id: &str, _resources: &Resources) -> Result<(), BackendError> {
-        Err(BackendError::Unimplemented(
-            "bulkhead shim: resource updates of a running microVM are not supported yet".into(),
-        ))
+    async fn update(&self, id: &str, resources: &Resources) -> Result<(), BackendError> {
+        let (me, id, resources) = (Arc::clone(&self.0), id.to_owned(), resources.clone());
+        blocking(move || me.update_blocking(&id, &resources)).await
     }
     async fn stats(&self, container_id: &str) -> Result<Stats, BackendError> {
         let containers = lock(&self.0.containers);
@@ -543,6 +604,7 @@ mod tests {
             code,
             signal,
             timed_out: false,
+            oom_killed: false,
         };
 
         // Act

@@ -21,6 +21,7 @@ fn exit(code: i32) -> Frame {
         code: Some(code),
         signal: None,
         timed_out: false,
+        oom_killed: false,
     })
 }
 

@@ -9,16 +9,19 @@ fn signals_map_to_128_plus_n_and_timeouts_to_124() {
         code: None,
         signal: Some(9),
         timed_out: false,
+        oom_killed: false,
     };
     let timed_out = ExitStatus {
         code: None,
         signal: Some(9),
         timed_out: true,
+        oom_killed: false,
     };
     let seven = ExitStatus {
         code: Some(7),
         signal: None,
         timed_out: false,
+        oom_killed: false,
     };
 
     assert_eq!(exit_code(&killed), 137);
@@ -32,6 +35,7 @@ fn a_run_the_watchdog_abandoned_exits_124_and_a_reported_end_keeps_its_status() 
         code: Some(7),
         signal: None,
         timed_out: false,
+        oom_killed: false,
     };
 
     assert_eq!(outcome_code(&Outcome::Abandoned), EXIT_TIMEOUT);
@@ -45,6 +49,7 @@ fn only_output_events_keep_the_run_going() {
         code: Some(0),
         signal: None,
         timed_out: false,
+        oom_killed: false,
     });
 
     assert!(!ends_run::<()>(&Ok(Some(ExecEvent::Stdout(b"x".to_vec())))));

@@ -17,7 +17,9 @@ use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::ttrpc::{self, r#async::TtrpcContext, Code};
 use tokio::sync::oneshot;
 
-use crate::backend::{Backend, BackendError, ContainerSpec, Resources, StartSpec, Started, Stats};
+use crate::backend::{
+    Backend, BackendError, ContainerSpec, Ended, Resources, StartSpec, Started, Stats,
+};
 use crate::events::{EventSink, TaskEvent};
 use crate::service::TaskService;
 use crate::state::{Exit, ProcessKey};
@@ -25,6 +27,7 @@ use crate::ttrpc::TtrpcTask;
 
 mod lifecycle;
 mod requests;
+mod resources;
 
 /// What the fake backend was asked to do.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,10 +45,12 @@ pub enum Call {
 #[derive(Debug, Default)]
 struct FakeState {
     calls: Vec<Call>,
-    exits: HashMap<ProcessKey, oneshot::Sender<Exit>>,
+    exits: HashMap<ProcessKey, oneshot::Sender<Ended>>,
     next_pid: u32,
     fail_create: bool,
     fail_start: bool,
+    /// The pod VM's cgroup directory and size that `update` applies to, once given.
+    cgroup: Option<(std::path::PathBuf, u32, u8)>,
 }
 
 /// A backend that records its calls and whose processes exit when the test says so.
@@ -84,12 +89,21 @@ impl FakeBackend {
 
     /// Makes a started process exit with `status` at `at`.
     pub fn exit(&self, key: &ProcessKey, status: u32, at: SystemTime) {
+        self.end(key, Ended::exited(Exit { status, at }));
+    }
+
+    /// Makes a started process end as `ended` says.
+    pub fn end(&self, key: &ProcessKey, ended: Ended) {
         let sender = self
             .with(|s| s.exits.remove(key))
             .expect("the process was started");
-        sender
-            .send(Exit { status, at })
-            .expect("the service awaits the exit");
+        sender.send(ended).expect("the service awaits the exit");
+    }
+
+    /// Has `update` apply resources to the cgroup directory `dir` of a pod VM with `memory_mib`
+    /// of RAM and `vcpus`, as the microVM backend does to the pod's host cgroup.
+    pub fn use_cgroup(&self, dir: &std::path::Path, memory_mib: u32, vcpus: u8) {
+        self.with(|s| s.cgroup = Some((dir.to_owned(), memory_mib, vcpus)));
     }
 
     /// Loses a started process: its exit channel closes without an exit.
@@ -143,7 +157,15 @@ impl Backend for FakeBackend {
 
     async fn update(&self, id: &str, resources: &Resources) -> Result<(), BackendError> {
         self.record(Call::Update(id.to_owned(), resources.clone()));
-        Ok(())
+        let Some((dir, memory_mib, vcpus)) = self.with(|s| s.cgroup.clone()) else {
+            return Ok(());
+        };
+        let vm = crate::update::PodVm {
+            cgroup_dir: &dir,
+            memory_mib,
+            vcpus,
+        };
+        Ok(crate::update::apply(&vm, resources)?)
     }
 
     async fn stats(&self, id: &str) -> Result<Stats, BackendError> {
