@@ -210,13 +210,8 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
     let progress = progress_bar(plan.runs as u64, what);
     let runs = runner::schedule(&plan, |i| cold_start.run(i), |r| tick(&progress, r));
     progress.finish_and_clear();
-    let report = BenchReport {
-        schema: SCHEMA.to_owned(),
-        created_unix_s: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        host: host_info(),
-        config: BenchConfig {
+    let report = new_report(
+        BenchConfig {
             runs: plan.runs,
             concurrency: plan.concurrency,
             mode: plan.mode.to_string(),
@@ -231,9 +226,8 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
             command,
             daemon: None,
         },
-        phases: PHASE_NAMES.iter().map(|p| (*p).to_owned()).collect(),
         runs,
-    };
+    );
     finish(&report, &args)
 }
 
@@ -276,13 +270,8 @@ fn run_through_daemon(
     let progress = progress_bar(plan.runs as u64, "creates");
     let runs = runner::schedule(&plan, |i| daemon_run.run(i), |r| tick(&progress, r));
     progress.finish_and_clear();
-    let report = BenchReport {
-        schema: SCHEMA.to_owned(),
-        created_unix_s: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        host: host_info(),
-        config: BenchConfig {
+    let report = new_report(
+        BenchConfig {
             runs: plan.runs,
             concurrency: plan.concurrency,
             mode: plan.mode.to_string(),
@@ -297,10 +286,23 @@ fn run_through_daemon(
             command,
             daemon: Some(socket),
         },
+        runs,
+    );
+    finish(&report, args)
+}
+
+/// A report of `runs` made with `config`, on this host, now.
+fn new_report(config: BenchConfig, runs: Vec<RunRecord>) -> BenchReport {
+    BenchReport {
+        schema: SCHEMA.to_owned(),
+        created_unix_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        host: host_info(),
+        config,
         phases: PHASE_NAMES.iter().map(|p| (*p).to_owned()).collect(),
         runs,
-    };
-    finish(&report, args)
+    }
 }
 
 /// Prints `report`'s table, writes its JSON and plot as `args` ask; the exit status: 0 when a
