@@ -76,7 +76,9 @@ pub(super) fn move_file(src: &Path, dst: &Path) -> io::Result<()> {
 
 /// Copies `src` to a new `dst` of the same length: a reflink where the file system shares
 /// extents (`FICLONE`, ioctl_ficlone(2): btrfs, XFS; instant, no space taken until either is
-/// written), else writing only its data segments (`lseek(SEEK_DATA/SEEK_HOLE)`, lseek(2)).
+/// written), else writing only its data segments (`lseek(SEEK_DATA/SEEK_HOLE)`, lseek(2)) and,
+/// within them, only the 4 KiB blocks that are not all zeros (a file system that cannot report
+/// holes, such as 9p, reports the whole file as data).
 pub(super) fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
     let input = File::open(src)?;
     // Guest memory and disks: for this user only.
@@ -116,8 +118,34 @@ fn copy_range(input: &File, output: &File, range: (u64, u64), buf: &mut [u8]) ->
                 "file shrank while copied",
             ));
         }
-        output.write_all_at(&buf[..n], at)?;
+        write_nonzero(output, &buf[..n], at)?;
         at += n as u64;
+    }
+    Ok(())
+}
+
+/// Block size below which [`write_nonzero`] writes zeros rather than leaving a hole, bytes.
+const HOLE_BLOCK: usize = 4096;
+
+/// Writes `bytes` at offset `at` of `output`, skipping each [`HOLE_BLOCK`]-aligned run of
+/// zeros (the file was sized first: what is skipped reads as zeros and takes no space).
+fn write_nonzero(output: &File, bytes: &[u8], at: u64) -> io::Result<()> {
+    let mut run: Option<usize> = None; // start of the current run of data blocks
+    let mut offset = 0;
+    for block in bytes.chunks(HOLE_BLOCK) {
+        let zero = block.iter().all(|&b| b == 0);
+        match (zero, run) {
+            (false, None) => run = Some(offset),
+            (true, Some(start)) => {
+                output.write_all_at(&bytes[start..offset], at + start as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+        offset += block.len();
+    }
+    if let Some(start) = run {
+        output.write_all_at(&bytes[start..], at + start as u64)?;
     }
     Ok(())
 }
@@ -147,6 +175,28 @@ mod tests {
             blocks < 1024,
             "{blocks} blocks of 512 bytes: the holes were filled"
         );
+    }
+
+    #[test]
+    fn zeros_written_as_data_become_holes_in_the_copy() {
+        // Arrange: 4 MiB of zeros really written (data to SEEK_DATA, as every byte is on a file
+        // system that cannot report holes), with 5 bytes across a block boundary and 1 at the end.
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst) = (dir.path().join("src"), dir.path().join("dst"));
+        let file = File::create(&src).unwrap();
+        file.write_all_at(&vec![0u8; 4 << 20], 0).unwrap();
+        file.write_all_at(b"12345", (1 << 20) + 4094).unwrap();
+        file.write_all_at(b"!", (4 << 20) - 1).unwrap();
+        let src_blocks = fs::metadata(&src).unwrap().blocks();
+
+        // Act
+        copy_sparse(&src, &dst).unwrap();
+
+        // Assert: the same bytes; three 4 KiB blocks of data (24 sectors), the rest holes.
+        assert_eq!(fs::read(&src).unwrap(), fs::read(&dst).unwrap());
+        let blocks = fs::metadata(&dst).unwrap().blocks();
+        assert!(src_blocks >= 8192, "{src_blocks}: the source holds no real zeros");
+        assert!(blocks <= 64, "{blocks} blocks of 512 bytes: the zeros were copied");
     }
 
     #[test]
