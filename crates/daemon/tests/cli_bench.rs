@@ -93,6 +93,50 @@ fn a_failing_command_fails_its_runs_and_the_bench() {
 }
 
 #[test]
+fn sigint_stops_the_bench_and_deletes_the_sandbox_it_was_using() {
+    // Arrange: a bench whose first run's command sleeps.
+    let daemon = TestDaemon::start();
+    let client = daemon.client();
+    let rt = rt();
+    let mut child = Command::new(cli())
+        .args(["bench", "--daemon", "--socket"])
+        .arg(&daemon.socket)
+        .args(["--runs", "5", "--", "sleep", "30"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let listed = || rt.block_on(client.list(&Default::default())).unwrap();
+    let running = common::wait_until(std::time::Duration::from_secs(30), || listed().len() == 1);
+    assert!(
+        running,
+        "the first run's sandbox never appeared\n{}",
+        daemon.log()
+    );
+
+    // Act
+    // SAFETY: kill(2) with the pid of our own child process, which has not been reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let ended = common::wait_until(std::time::Duration::from_secs(30), || {
+        child.try_wait().unwrap().is_some()
+    });
+    if !ended {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+
+    // Assert: 128 + SIGINT, said so, and nothing left in the daemon.
+    assert!(ended, "the bench did not end within 30 s of SIGINT");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("every sandbox it created was deleted"),
+        "{stderr}"
+    );
+    assert!(listed().is_empty(), "{:?}", listed());
+}
+
+#[test]
 fn a_daemon_that_does_not_answer_stops_the_bench_before_any_run() {
     // Arrange
     let dir = tempfile::tempdir().unwrap();

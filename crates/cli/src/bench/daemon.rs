@@ -4,19 +4,83 @@
 //! API client that keeps its process (the Rust client, the Python SDK) pays, without the CLI
 //! processes `bulkhead create` + `bulkhead exec` would add.
 //!
+//! SIGINT, SIGTERM, SIGHUP or SIGQUIT stops the bench ([`Stop`]): no new run starts, a run's
+//! command is abandoned, and every sandbox a run created is deleted before `bench` exits with
+//! 128+N (a second signal exits at once).
+//!
 //! The daemon's own VMMs have no phases or memory sample here: a record has the create's
 //! duration (its answer comes once the guest's agent is ready: `create_to_ready_ms`) and the
 //! time to the command's first output or exit status (`create_to_first_output_ms`), both from
 //! the moment the create request was sent.
 
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_client::{Client, CreateSandbox, ExecEvent, ExecSpec, Health};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use tokio::sync::Notify;
 
 use super::report::RunRecord;
 
 /// Pause between two looks at the warm pool while it refills.
 const POOL_POLL: Duration = Duration::from_millis(50);
+
+/// Whether a stop signal arrived, shared by every run and the signal thread.
+#[derive(Debug, Default)]
+pub struct Stop {
+    stopped: AtomicBool,
+    signal: AtomicI32,
+    notify: Notify,
+}
+
+impl Stop {
+    /// Installs the handlers of SIGINT, SIGTERM, SIGHUP and SIGQUIT: the first stops the
+    /// bench, a second exits at once with 128+N.
+    ///
+    /// # Errors
+    /// A message when the handlers cannot be installed.
+    pub fn install() -> Result<Arc<Stop>, String> {
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
+            .map_err(|e| format!("cannot install signal handlers: {e}"))?;
+        let stop = Arc::new(Stop::default());
+        let shared = stop.clone();
+        std::thread::spawn(move || {
+            for signal in signals.forever() {
+                if shared.stopped.swap(true, Ordering::SeqCst) {
+                    std::process::exit(128 + signal);
+                }
+                shared.signal.store(signal, Ordering::SeqCst);
+                eprintln!(
+                    "bulkhead: stopping the bench (signal {signal}): deleting its sandboxes; \
+                     another signal exits at once"
+                );
+                shared.notify.notify_waiters();
+            }
+        });
+        Ok(stop)
+    }
+
+    /// The signal that stopped the bench, if one did.
+    pub fn signal(&self) -> Option<i32> {
+        self.stopped
+            .load(Ordering::SeqCst)
+            .then(|| self.signal.load(Ordering::SeqCst))
+    }
+
+    /// Returns once the bench is stopped.
+    async fn stopped(&self) {
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if !self.stopped.load(Ordering::SeqCst) {
+            notified.await;
+        }
+    }
+}
+
+/// What a run that a stop signal cut short reports.
+const INTERRUPTED: &str = "interrupted by a signal";
 
 /// One run through the daemon.
 #[derive(Debug)]
@@ -30,6 +94,8 @@ pub struct DaemonRun<'a> {
     /// How long the create, the pool's refill and each wait for an event of the command may
     /// take.
     pub patience: Duration,
+    /// Set by a stop signal.
+    pub stop: &'a Stop,
 }
 
 impl DaemonRun<'_> {
@@ -49,7 +115,12 @@ impl DaemonRun<'_> {
 
     async fn run_async(&self, index: usize) -> RunRecord {
         let mut record = RunRecord::unmeasured(index);
-        if let Err(e) = self.wait_for_full_pool().await {
+        let waited = tokio::select! {
+            biased;
+            () = self.stop.stopped() => Err(INTERRUPTED.to_owned()),
+            waited = self.wait_for_full_pool() => waited,
+        };
+        if let Err(e) = waited {
             record.error = Some(e);
             return record;
         }
@@ -66,8 +137,13 @@ impl DaemonRun<'_> {
                 return record;
             }
         };
+        // (A create is never abandoned: the sandbox it makes is deleted below.)
         record.create_to_ready_ms = Some(ms(created.elapsed()));
-        let outcome = self.command(&info.id, created).await;
+        let outcome = tokio::select! {
+            biased;
+            () = self.stop.stopped() => Err(INTERRUPTED.to_owned()),
+            outcome = self.command(&info.id, created) => outcome,
+        };
         let deleted = self.client.delete(&info.id).await;
         record.error = match (&outcome, deleted) {
             (Err(e), _) => Some(e.clone()),
@@ -134,7 +210,8 @@ impl DaemonRun<'_> {
             }
             if Instant::now() >= deadline {
                 return Err(format!(
-                    "the warm pool did not refill in {:?}",
+                    "the warm pool of template {template} did not refill in {:?} \
+                     (--boot-timeout); the daemon's log says why",
                     self.patience
                 ));
             }

@@ -261,15 +261,23 @@ fn run_through_daemon(
         concurrency: args.concurrency as usize,
         mode: args.mode,
     };
+    let stop = daemon::Stop::install()?;
     let daemon_run = daemon::DaemonRun {
         client: &client,
         create: &create,
         exec: &exec,
         patience,
+        stop: &stop,
     };
     let progress = progress_bar(plan.runs as u64, "creates");
     let runs = runner::schedule(&plan, |i| daemon_run.run(i), |r| tick(&progress, r));
     progress.finish_and_clear();
+    if let Some(signal) = stop.signal() {
+        eprintln!(
+            "bulkhead: bench stopped by signal {signal}; every sandbox it created was deleted"
+        );
+        return Ok(ExitCode::from(u8::try_from(128 + signal).unwrap_or(1)));
+    }
     let report = new_report(
         BenchConfig {
             runs: plan.runs,

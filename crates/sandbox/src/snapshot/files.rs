@@ -195,8 +195,14 @@ mod tests {
         // Assert: the same bytes; three 4 KiB blocks of data (24 sectors), the rest holes.
         assert_eq!(fs::read(&src).unwrap(), fs::read(&dst).unwrap());
         let blocks = fs::metadata(&dst).unwrap().blocks();
-        assert!(src_blocks >= 8192, "{src_blocks}: the source holds no real zeros");
-        assert!(blocks <= 64, "{blocks} blocks of 512 bytes: the zeros were copied");
+        assert!(
+            src_blocks >= 8192,
+            "{src_blocks}: the source holds no real zeros"
+        );
+        assert!(
+            blocks <= 64,
+            "{blocks} blocks of 512 bytes: the zeros were copied"
+        );
     }
 
     #[test]
