@@ -39,6 +39,8 @@ enum Target {
 struct Routing {
     target: Target,
     grace: Option<(i32, Watchdog)>,
+    /// The first signal that came once the command had ended.
+    late: Option<i32>,
 }
 
 /// Routes the signals `bulkhead run` receives (see the module docs).
@@ -58,6 +60,7 @@ impl SignalRouter {
         let routing = Arc::new(Mutex::new(Routing {
             target: Target::Booting(run_dir),
             grace: None,
+            late: None,
         }));
         let routed = Arc::clone(&routing);
         thread::spawn(move || {
@@ -67,7 +70,10 @@ impl SignalRouter {
                     // Exits the process with the lock held (see `boot_failed`).
                     Target::Booting(dir) => stop_booting(dir, sig),
                     Target::Running(writer) => writer.clone(),
-                    Target::Ended => continue,
+                    Target::Ended => {
+                        routing.late.get_or_insert(sig);
+                        continue;
+                    }
                 };
                 if routing.grace.is_none() {
                     routing.grace = Some((sig, give_up_after_grace(writer.clone(), sig)));
@@ -109,6 +115,14 @@ impl SignalRouter {
         routing.target = Target::Ended;
         let (sig, grace) = routing.grace.take()?;
         (!grace.disarm()).then_some(sig)
+    }
+}
+
+impl SignalRouter {
+    /// The first signal that arrived after the command ended (which nothing forwards), for a
+    /// caller with work left that such a signal should cancel (`template create`'s snapshot).
+    pub fn signal_after_end(&self) -> Option<i32> {
+        self.routing.lock().unwrap_or_else(|p| p.into_inner()).late
     }
 }
 

@@ -60,8 +60,8 @@ pub struct CreateArgs {
 /// Share slots of a template unless `--share-slots` says otherwise.
 pub const DEFAULT_SHARE_SLOTS: u8 = 2;
 
-/// Creates the template; returns the exit status: 0, or the preparation command's non-zero
-/// status (nothing is saved then).
+/// Creates the template; returns the exit status: 0, the preparation command's non-zero
+/// status, or 128+N when signal N came during the snapshot (nothing is saved then).
 ///
 /// # Errors
 /// Bad input (an existing name, missing boot files), a failed boot or snapshot;
@@ -100,6 +100,14 @@ pub fn create(store: &TemplateStore, args: &CreateArgs) -> Result<u8, String> {
     sandbox
         .snapshot_into(partial.path(), &config)
         .map_err(|e| format!("cannot snapshot the sandbox: {e}"))?;
+    if let Some(signal) = router.signal_after_end() {
+        // The partial template is removed with `partial`.
+        eprintln!(
+            "bulkhead: signal {signal} during the snapshot; template {} was not created",
+            args.name
+        );
+        return Ok(u8::try_from(128 + signal).unwrap_or(1));
+    }
     manifest(args, &recipe).write(partial.path())?;
     let dir = partial.commit()?;
     eprintln!(
