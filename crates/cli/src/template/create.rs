@@ -70,7 +70,7 @@ pub fn create(store: &TemplateStore, args: &CreateArgs) -> Result<u8, String> {
     let id = new_id().map_err(|e| format!("cannot make a sandbox ID: {e}"))?;
     // Checked again when the create begins and, atomically, when the template gets its name.
     store.check_free(&args.name)?;
-    check_writable_disks(&args.disk_files)?;
+    check_writable_disks(&args.disk_files, store)?;
     let recipe = recipe(args, &id)?;
     run::require_bootable_kvm(&file_dirs(args))?;
     let started = Instant::now();
@@ -156,11 +156,21 @@ fn recipe(args: &CreateArgs, id: &str) -> Result<Recipe, String> {
     bulkhead_sandbox::build(&spec, &args.machine.host(), id).map_err(|e| e.to_string())
 }
 
-/// Refuses, before anything boots, a writable data disk that the snapshot could not save: one
-/// that is no regular file (a block device). Missing files are the recipe's to report.
-fn check_writable_disks(disks: &[DiskConfig]) -> Result<(), String> {
+/// Refuses, before anything boots, a writable data disk that the snapshot could not save (one
+/// that is no regular file: a block device) or that belongs to a template of `store` (the
+/// preparation would change that template's saved disk under its clones). Missing files are
+/// the recipe's to report.
+fn check_writable_disks(disks: &[DiskConfig], store: &TemplateStore) -> Result<(), String> {
     let writable = disks.iter().filter(|d| !d.read_only);
     for disk in writable {
+        if store.holds(&disk.path) {
+            return Err(format!(
+                "--disk-file {}: this file belongs to a template; a preparation writing to it \
+                 would change that template under its clones (attach it read-only with `:ro`, \
+                 or a copy)",
+                disk.path.display()
+            ));
+        }
         let special = std::fs::metadata(&disk.path).is_ok_and(|m| !m.is_file());
         if special {
             return Err(format!(
@@ -239,6 +249,31 @@ mod tests {
     }
 
     #[test]
+    fn a_templates_own_disk_is_refused_as_a_writable_disk_but_not_read_only() {
+        // Arrange: a template store holding a saved disk, reached through a symbolic link too.
+        let dir = tempfile::tempdir().unwrap();
+        let saved = dir.path().join("templates/t/disk-0.img");
+        std::fs::create_dir_all(saved.parent().unwrap()).unwrap();
+        std::fs::write(&saved, [0u8; 512]).unwrap();
+        let link = dir.path().join("link.img");
+        std::os::unix::fs::symlink(&saved, &link).unwrap();
+        let store = TemplateStore::new(dir.path().join("templates"));
+        let (saved, link) = (saved.to_str().unwrap(), link.to_str().unwrap());
+
+        // Act
+        let direct = check_writable_disks(&[disk(saved, false)], &store);
+        let linked = check_writable_disks(&[disk(link, false)], &store);
+        let read_only = check_writable_disks(&[disk(saved, true)], &store);
+
+        // Assert
+        for refused in [direct, linked] {
+            let message = refused.unwrap_err();
+            assert!(message.contains("belongs to a template"), "{message}");
+        }
+        assert_eq!(read_only, Ok(()));
+    }
+
+    #[test]
     fn a_writable_device_disk_is_refused_before_boot_and_a_read_only_one_or_a_file_is_not() {
         // Arrange
         let dir = tempfile::tempdir().unwrap();
@@ -247,9 +282,10 @@ mod tests {
         let file = file.to_str().unwrap();
 
         // Act
-        let device = check_writable_disks(&[disk(file, false), disk("/dev/null", false)]);
-        let read_only_device = check_writable_disks(&[disk("/dev/null", true)]);
-        let plain = check_writable_disks(&[disk(file, false)]);
+        let store = TemplateStore::new(dir.path().join("templates"));
+        let device = check_writable_disks(&[disk(file, false), disk("/dev/null", false)], &store);
+        let read_only_device = check_writable_disks(&[disk("/dev/null", true)], &store);
+        let plain = check_writable_disks(&[disk(file, false)], &store);
 
         // Assert
         let message = device.unwrap_err();

@@ -114,6 +114,15 @@ impl TemplateStore {
         TemplateStore::new(bulkhead_sandbox::paths::data_dir().join("templates"))
     }
 
+    /// Whether the existing file `path` lies in this store (a template's own file), symbolic
+    /// links resolved.
+    pub fn holds(&self, path: &Path) -> bool {
+        let (Ok(root), Ok(file)) = (fs::canonicalize(&self.root), fs::canonicalize(path)) else {
+            return false;
+        };
+        file.starts_with(root)
+    }
+
     /// The directory of template `name`.
     pub fn path(&self, name: &str) -> PathBuf {
         self.root.join(name)
