@@ -114,6 +114,17 @@ pub struct BenchArgs {
     command: Vec<String>,
 }
 
+impl BenchArgs {
+    /// How many runs, how many at once, and when.
+    fn plan(&self) -> Plan {
+        Plan {
+            runs: self.runs as usize,
+            concurrency: self.concurrency as usize,
+            mode: self.mode,
+        }
+    }
+}
+
 /// Runs `bulkhead bench`; see the module docs for the exit status.
 pub fn bench(args: BenchArgs) -> ExitCode {
     match run(args) {
@@ -189,11 +200,7 @@ fn run(args: BenchArgs) -> Result<ExitCode, String> {
     // `bulkhead run` or `bench` if this one is killed.
     let bench_dir = crate::rundir::create(&config.runtime_dir)?;
     config.runtime_dir = bench_dir.path().to_owned();
-    let plan = Plan {
-        runs: args.runs as usize,
-        concurrency: args.concurrency as usize,
-        mode: args.mode,
-    };
+    let plan = args.plan();
     let request = recipe
         .exec
         .request(command.clone(), &Default::default(), None, None);
@@ -256,11 +263,7 @@ fn run_through_daemon(
         ..CreateSandbox::default()
     };
     let exec = ExecSpec::new(command.clone());
-    let plan = Plan {
-        runs: args.runs as usize,
-        concurrency: args.concurrency as usize,
-        mode: args.mode,
-    };
+    let plan = args.plan();
     let stop = daemon::Stop::install()?;
     let daemon_run = daemon::DaemonRun {
         client: &client,
