@@ -77,6 +77,12 @@
 #                            sandbox that had a clone workspace): a create with another clone
 #                            workspace is handed the clone, the directory attached to its VMM
 #                            while it runs (attach_share) and mounted by its agent
+#   containerd-run           scripts/containerd-demo.sh with Debian's arm64 containerd and ctr
+#                            and the aarch64 containerd-shim-bulkhead-v2: `ctr run --runtime
+#                            io.containerd.bulkhead.v2` of a busybox image; its process prints
+#                            the arch, its PID (1: its own PID namespace) and the kernel's
+#                            release (the guest's, not the emulated host's), and its exit
+#                            status 3 is ctr's
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
 # printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
@@ -184,6 +190,9 @@ build_binaries() {
     log "cargo build bulkhead, bulkheadd ($GNU_TARGET, $PROFILE)"
     nice -n 10 cargo build --quiet "${release[@]}" --target "$GNU_TARGET" -p bulkhead-cli --bin bulkhead
     nice -n 10 cargo build --quiet "${release[@]}" --target "$GNU_TARGET" -p bulkhead-daemon --bin bulkheadd
+    log "cargo build containerd-shim-bulkhead-v2 ($GNU_TARGET, $PROFILE)"
+    nice -n 10 cargo build --quiet "${release[@]}" --target "$GNU_TARGET" -p bulkhead-shim \
+        --bin containerd-shim-bulkhead-v2
     log "cargo build bulkhead-agent ($MUSL_TARGET, release)"
     nice -n 10 cargo build --quiet --release --target "$MUSL_TARGET" -p bulkhead-agent
 }
@@ -242,7 +251,7 @@ HOST_SETUP
 readonly RUN_CHECKS=(bad-bzimage bad-magic boot-1-vcpu boot-2-vcpus boot-memory boot-reboot
     boot-poweroff run-uname run-exit7 run-kill9 run-tty run-10mib run-disk run-virtiofs-read
     run-virtiofs-write run-egress run-publish template-clone clone-distinct clone-clock
-    clone-egress image-template-disk daemon-pause-workspace daemon-pool-workspace)
+    clone-egress image-template-disk daemon-pause-workspace daemon-pool-workspace containerd-run)
 
 # GUEST=run: the host /init's checklist (busybox sh). Settings come first, from here; the checks
 # themselves are a quoted heredoc, so their `$` belong to the emulated host's shell.
@@ -667,6 +676,27 @@ else
     fail daemon-pool-workspace "template sandbox [$id], pooled [$pooled], read [$seen]" \
         /tmp/bhd-pool.err /tmp/bulkheadd-pool.log
 fi
+# containerd places a container in a microVM: scripts/containerd-demo.sh (its own containerd,
+# an OCI image made from busybox, `ctr run --runtime io.containerd.bulkhead.v2`) with every
+# busybox applet in PATH. The container's process is PID 1 of its own PID namespace, in the
+# guest's kernel (not this host's), and its exit status is ctr's and the script's.
+mkdir -p /opt/busybox && /bin/busybox --install -s /opt/busybox
+PATH=/bin:/opt/busybox timeout -s KILL $((VMM_TIMEOUT * 3)) /bin/bash /opt/bulkhead/containerd-demo.sh \
+    --bin /bin --work /tmp/ctrd -- sh -c 'echo "$(uname -m) pid=$$ kernel=$(uname -r)"; exit 3' \
+    >/tmp/ctrd.out 2>/tmp/ctrd.err
+status=$?
+host_kernel=$(uname -r)
+seen=$(tr -d '\r' </tmp/ctrd.out)
+case "$seen" in
+"aarch64 pid=1 kernel=$host_kernel") guest_kernel=no ;;
+"aarch64 pid=1 kernel="?*) guest_kernel=yes ;;
+*) guest_kernel=no ;;
+esac
+if [ "$status" = 3 ] && [ "$guest_kernel" = yes ]; then
+    ok containerd-run "ctr run --runtime io.containerd.bulkhead.v2: [$seen] (host kernel $host_kernel), status 3"
+else
+    fail containerd-run "status $status (want 3), output [$seen]" /tmp/ctrd.err /tmp/ctrd/containerd.log
+fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS
 }
@@ -731,6 +761,7 @@ stage_run_files() {
     rm -rf "$tree"
     stage_root_image "$stage" "$3"
     stage_mke2fs "$stage"
+    stage_containerd "$stage"
 }
 
 # GUEST=run: a root filesystem image for image-template-disk in host stage $1: busybox ($2)
@@ -758,6 +789,25 @@ stage_mke2fs() {
         dir="$(fetch_deb "$pkg")"
         find "$dir" -name '*.so.*' \( -type f -o -type l \) -exec cp -P -t "$stage/lib" {} +
     done
+}
+
+# GUEST=run: what containerd-run needs in host stage $1: Debian's arm64 containerd and ctr,
+# bash (scripts/containerd-demo.sh is written in it) with its libraries, the shim, and the demo
+# script itself (/opt/bulkhead/containerd-demo.sh).
+stage_containerd() {
+    local stage="$1" dir b
+    dir="$(fetch_deb containerd)"
+    install -m 0755 "$dir/usr/bin/containerd" "$dir/usr/bin/ctr" "$stage/bin/"
+    dir="$(fetch_deb bash)"
+    install -m 0755 "$dir/bin/bash" "$stage/bin/bash"
+    dir="$(fetch_deb libtinfo6)"
+    find "$dir" -name 'libtinfo.so.*' \( -type f -o -type l \) -exec cp -P -t "$stage/lib" {} +
+    for b in containerd ctr bash; do copy_shared_libs "$stage/bin/$b" "$stage"; done
+    aarch64-linux-gnu-strip -o "$stage/bin/containerd-shim-bulkhead-v2" \
+        "$CARGO_TARGET_DIR/$GNU_TARGET/$PROFILE/containerd-shim-bulkhead-v2"
+    copy_shared_libs "$stage/bin/containerd-shim-bulkhead-v2" "$stage"
+    mkdir -p "$stage/opt/bulkhead"
+    install -m 0755 scripts/containerd-demo.sh "$stage/opt/bulkhead/containerd-demo.sh"
 }
 
 # Builds the emulated host's initramfs into $CACHE/host.cpio.gz.

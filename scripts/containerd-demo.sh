@@ -144,7 +144,11 @@ blob() { # FILE -> prints its digest and size; stores it as a blob
 }
 tar -C "$layer" --numeric-owner -cf "$WORK/layer.tar" .
 b="$(blob "$WORK/layer.tar")"; layer_digest="${b% *}"; layer_size="${b#* }"
-arch="$(dpkg --print-architecture 2>/dev/null || echo amd64)"
+case "$(uname -m)" in # the image's architecture is this machine's, named as OCI names it
+    x86_64) arch=amd64 ;;
+    aarch64) arch=arm64 ;;
+    *) arch="$(uname -m)" ;;
+esac
 manifest() { # NAME REF CMD_JSON -> prints the image's index entry; stores its config and manifest
     local b config_digest config_size
     cat > "$WORK/config-$2.json" <<EOF

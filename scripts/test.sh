@@ -181,7 +181,7 @@ fuzz_checks() {
         cargo test --manifest-path fuzz/Cargo.toml --quiet
 }
 stage "fuzz harnesses: fmt, clippy, corpus replay (fuzz/ is its own workspace)" fuzz_checks
-stage "aarch64: boot, bad-kernel, bulkhead run, disk, virtio-fs, egress and -p checks in an emulated arm64 host (scripts/arm64-smoke.sh)" \
+stage "aarch64: boot, bad-kernel, bulkhead run, disk, virtio-fs, egress, -p, template, daemon and containerd checks in an emulated arm64 host (scripts/arm64-smoke.sh)" \
     env GUEST=run scripts/arm64-smoke.sh
 fuzzing() {
     cargo +nightly --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
