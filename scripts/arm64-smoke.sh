@@ -77,12 +77,15 @@
 #                            sandbox that had a clone workspace): a create with another clone
 #                            workspace is handed the clone, the directory attached to its VMM
 #                            while it runs (attach_share) and mounted by its agent
-#   containerd-run           scripts/containerd-demo.sh with Debian's arm64 containerd and ctr
-#                            and the aarch64 containerd-shim-bulkhead-v2: `ctr run --runtime
-#                            io.containerd.bulkhead.v2` of a busybox image; its process prints
-#                            the arch, its PID (1: its own PID namespace) and the kernel's
-#                            release (the guest's, not the emulated host's), and its exit
-#                            status 3 is ctr's
+#   containerd-run           scripts/containerd-demo.sh --more with Debian's arm64 containerd
+#                            and ctr and the aarch64 containerd-shim-bulkhead-v2: `ctr run
+#                            --runtime io.containerd.bulkhead.v2` of a busybox image prints the
+#                            arch, its PID (1: its own PID namespace) and the guest kernel's
+#                            release (not the emulated host's); then, as tests/guest/shim.rs
+#                            checks on x86_64: `ctr task exec` (output, status 4), `ctr task
+#                            kill` (SIGTERM), --memory-limit 64 MiB as the guest's MemTotal,
+#                            ingress (bulkhead.io/ports), egress through the pod's proxy,
+#                            `ctr task metrics`, and an OOM kill in the guest (`/tasks/oom`)
 # Each check prints one `arm64-smoke: check NAME: ok - ...` or `... FAIL - ...` line, a failing
 # one followed by the guest console and the output it had; the script fails unless every check
 # printed ok. RUN_ARGS adds `bulkhead run` arguments (not --vcpus, --boot-timeout or --console,
@@ -676,26 +679,38 @@ else
     fail daemon-pool-workspace "template sandbox [$id], pooled [$pooled], read [$seen]" \
         /tmp/bhd-pool.err /tmp/bulkheadd-pool.log
 fi
-# containerd places a container in a microVM: scripts/containerd-demo.sh (its own containerd,
-# an OCI image made from busybox, `ctr run --runtime io.containerd.bulkhead.v2`) with every
-# busybox applet in PATH. The container's process is PID 1 of its own PID namespace, in the
-# guest's kernel (not this host's), and its exit status is ctr's and the script's.
+# containerd places a container in a microVM: scripts/containerd-demo.sh --more (its own
+# containerd, an OCI image made from busybox, `ctr run --runtime io.containerd.bulkhead.v2`,
+# then exec, kill, a memory limit, ingress, egress, metrics and an OOM kill) with every busybox
+# applet in PATH; its lines as tests/guest/shim.rs reads them on x86_64.
 mkdir -p /opt/busybox && /bin/busybox --install -s /opt/busybox
-PATH=/bin:/opt/busybox timeout -s KILL $((VMM_TIMEOUT * 3)) /bin/bash /opt/bulkhead/containerd-demo.sh \
-    --bin /bin --work /tmp/ctrd -- sh -c 'echo "$(uname -m) pid=$$ kernel=$(uname -r)"; exit 3' \
+PATH=/bin:/opt/busybox timeout -s KILL $((VMM_TIMEOUT * 5)) /bin/bash /opt/bulkhead/containerd-demo.sh \
+    --bin /bin --work /tmp/ctrd --more -- sh -c 'echo "$(uname -m) pid=$$ kernel=$(uname -r)"' \
     >/tmp/ctrd.out 2>/tmp/ctrd.err
 status=$?
+line() { sed -n "$1p" /tmp/ctrd.out | tr -d '\r'; }
 host_kernel=$(uname -r)
-seen=$(tr -d '\r' </tmp/ctrd.out)
-case "$seen" in
-"aarch64 pid=1 kernel=$host_kernel") guest_kernel=no ;;
-"aarch64 pid=1 kernel="?*) guest_kernel=yes ;;
-*) guest_kernel=no ;;
+first=$(line 1)
+case "$first" in
+"aarch64 pid=1 kernel=$host_kernel") first_ok=no ;;
+"aarch64 pid=1 kernel="?*) first_ok=yes ;;
+*) first_ok=no ;;
 esac
-if [ "$status" = 3 ] && [ "$guest_kernel" = yes ]; then
-    ok containerd-run "ctr run --runtime io.containerd.bulkhead.v2: [$seen] (host kernel $host_kernel), status 3"
+case "$(line 2)" in
+*pid=1) exec_ok=no ;;
+"exec: status=4 output=in-exec pid="?*) exec_ok=yes ;;
+*) exec_ok=no ;;
+esac
+mem_kib=$(line 4 | sed -n 's/^memory: MemTotal: *\([0-9]*\) kB$/\1/p')
+if [ "$status" = 0 ] && [ "$first_ok" = yes ] && [ "$exec_ok" = yes ] &&
+    [ "$(line 3)" = "kill: STOPPED" ] && [ "${mem_kib:-0}" -ge 40960 ] && [ "$mem_kib" -le 65536 ] &&
+    [ "$(line 6)" = "ingress: hello-ingress" ] && [ "$(line 7)" = "egress: hello-egress 1" ] &&
+    line 8 | grep -q "^metrics: memory=[1-9][0-9]* cpu=[1-9][0-9]* pids=[1-9]" &&
+    [ "$(line 10)" = "oom: status=137 events=1" ]; then
+    ok containerd-run "ctr run (PID 1 in the guest's kernel: [$first], host $host_kernel), task exec, kill, 64 MiB, ingress, egress, metrics, OOM"
 else
-    fail containerd-run "status $status (want 3), output [$seen]" /tmp/ctrd.err /tmp/ctrd/containerd.log
+    fail containerd-run "status $status (want 0); lines 1-10 as on x86_64 (tests/guest/shim.rs)" \
+        /tmp/ctrd.out /tmp/ctrd.err /tmp/ctrd/containerd.log
 fi
 echo "arm64-smoke: checks done"
 HOST_CHECKS
