@@ -174,4 +174,65 @@ mod tests {
         assert_eq!(bound.len(), 1);
         assert!(matches!(clash, Err(PortsError::Bind(_))), "{clash:?}");
     }
+
+    /// A spec whose network namespace is the file at `path` (as the CRI plugin names a CNI
+    /// pod's: `/var/run/netns/cni-...`).
+    fn in_netns(path: &str) -> Spec {
+        use oci_spec::runtime::{LinuxBuilder, LinuxNamespaceBuilder};
+        let netns = LinuxNamespaceBuilder::default()
+            .typ(LinuxNamespaceType::Network)
+            .path(path)
+            .build()
+            .unwrap();
+        let mut spec = Spec::default();
+        spec.set_linux(Some(
+            LinuxBuilder::default()
+                .namespaces(vec![netns])
+                .build()
+                .unwrap(),
+        ));
+        spec
+    }
+
+    #[test]
+    fn ports_bind_in_the_network_namespace_the_spec_names_not_the_shims_needs_root() {
+        // Arrange: a thread in a network namespace of its own (a pod's), named by its /proc path.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            // SAFETY: unshare(2) moves only this thread into a new network namespace.
+            let unshared = match unsafe { libc::unshare(libc::CLONE_NEWNET) } {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            };
+            // SAFETY: gettid(2) has no preconditions and cannot fail.
+            let tid = unsafe { libc::gettid() };
+            ready_tx.send((unshared, tid)).unwrap();
+            done_rx.recv().ok();
+        });
+        let (unshared, tid) = ready_rx.recv().unwrap();
+        unshared.expect("unshare(CLONE_NEWNET) (needs root)");
+        let spec = in_netns(&format!("/proc/{}/task/{tid}/ns/net", std::process::id()));
+        let any = |port| PortMapping::same_port(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port);
+
+        // Act
+        let bound = bind(&spec, &[any(0)]).unwrap();
+        let port = bound[0].0.local_addr().unwrap().port();
+        let again_in_the_pod = bind(&spec, &[any(port)]);
+        let in_the_shims = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port));
+        let missing = bind(&in_netns("/proc/self/no-such-netns"), &[any(0)]);
+
+        // Assert: the port is taken in the pod's namespace, free in the shim's own.
+        assert!(
+            matches!(again_in_the_pod, Err(PortsError::Bind(_))),
+            "{again_in_the_pod:?}"
+        );
+        assert!(in_the_shims.is_ok(), "{in_the_shims:?}");
+        assert!(
+            matches!(missing, Err(PortsError::Netns { .. })),
+            "{missing:?}"
+        );
+        done_tx.send(()).unwrap();
+        holder.join().unwrap();
+    }
 }
