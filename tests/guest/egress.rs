@@ -367,3 +367,60 @@ net_test!(
         assert_eq!(received, [format!("Bearer {SECRET}")]);
     }
 );
+
+net_test!(
+    fn a_download_through_a_spliced_tunnel_arrives_whole_in_the_guest() {
+        // Arrange: 16 MiB behind an allowed host with no secret and no method or path rule, so
+        // its tunnel is spliced, not intercepted: the guest's curl checks the test server's
+        // own certificate (its CA given to curl) through the VMM's vsock and the proxy.
+        use sha2::{Digest, Sha256};
+        let server = Server::start();
+        let big: Vec<u8> = (0..16usize << 20).map(|i| b'a' + (i % 26) as u8).collect();
+        server.server.set_big(big.clone().into());
+        let want: String = Sha256::digest(&big)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let tls = server.server.tls_port;
+        let api = format!("api.test:{tls}");
+        let ca_pem = std::fs::read_to_string(&server.ca_file).unwrap();
+        let script = format!(
+            "cat > /tmp/test-ca.pem <<'PEM'\n{ca_pem}PEM\n\
+             echo sum=$(curl -sS --cacert /tmp/test-ca.pem https://{api}/big | sha256sum)"
+        );
+        let dir = scratch_dir();
+        let log = dir.path().join("egress.jsonl");
+        let log_arg = log.display().to_string();
+        let args = [
+            "--allow",
+            &api,
+            "--allow-cidr",
+            "127.0.0.1/32",
+            "--add-host",
+            "api.test:127.0.0.1",
+            "--egress-log",
+            &log_arg,
+        ];
+
+        // Act
+        let out = run(&server, &args, &script);
+
+        // Assert
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{}", describe(&out));
+        assert_eq!(
+            field(&stdout, "sum").split_whitespace().next(),
+            Some(want.as_str()),
+            "{}",
+            describe(&out)
+        );
+        let entries = read_log(&log);
+        let tunnel = entries
+            .iter()
+            .find(|e| e.host == "api.test" && e.port == tls)
+            .unwrap_or_else(|| panic!("no line for {api}: {entries:?}"));
+        assert_eq!(tunnel.decision, Verdict::Allow, "{tunnel:?}");
+        assert!(tunnel.method.is_none(), "intercepted: {tunnel:?}");
+        assert!(tunnel.bytes_down >= big.len() as u64, "{tunnel:?}");
+    }
+);

@@ -21,7 +21,7 @@ use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderMap, HeaderValue, CONNECTION, HOST, LOCATION, UPGRADE};
 use hyper::{Method, Request, Response, StatusCode, Version};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::{RootCertStore, ServerConfig};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -54,6 +54,9 @@ impl TestCa {
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        // Names of their own for the CA and each leaf: OpenSSL (curl in a guest) takes a leaf
+        // whose subject equals its issuer for a self-signed certificate and refuses it.
+        params.distinguished_name = distinguished("bulkhead test CA");
         let cert = params.self_signed(&key).unwrap();
         TestCa { cert, key }
     }
@@ -73,10 +76,9 @@ impl TestCa {
     pub fn server_config(&self, names: &[&str]) -> Arc<ServerConfig> {
         let leaf_key = KeyPair::generate().unwrap();
         let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-        let leaf = CertificateParams::new(names)
-            .unwrap()
-            .signed_by(&leaf_key, &self.cert, &self.key)
-            .unwrap();
+        let mut params = CertificateParams::new(names.clone()).unwrap();
+        params.distinguished_name = distinguished(names.first().map_or("test server", |n| n));
+        let leaf = params.signed_by(&leaf_key, &self.cert, &self.key).unwrap();
         let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
         let mut config =
             ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
@@ -88,6 +90,13 @@ impl TestCa {
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Arc::new(config)
     }
+}
+
+/// A distinguished name of one common name.
+fn distinguished(common_name: &str) -> DistinguishedName {
+    let mut name = DistinguishedName::new();
+    name.push(DnType::CommonName, common_name);
+    name
 }
 
 /// One request as the test server saw it.

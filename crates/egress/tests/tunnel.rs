@@ -333,3 +333,34 @@ async fn a_client_that_half_closes_after_its_request_still_gets_the_answer_and_a
     assert!(log.iter().any(|e| e.host == "api.test"), "{log:?}");
     assert!(log.iter().any(|e| e.host == "evil.test"), "{log:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_download_through_a_spliced_tunnel_arrives_whole_and_is_counted() {
+    // Arrange: 8 MiB of a known pattern behind an allowed host (no rule that intercepts it).
+    let ca = TestCa::new();
+    let server = TestServer::start(&ca).await;
+    let big: Vec<u8> = (0..8usize << 20).map(|i| b'a' + (i % 26) as u8).collect();
+    server.set_big(bytes::Bytes::from(big.clone()));
+    let port = server.tls_port;
+    let mut proxy = TestProxy::start(
+        &allowlist(&[format!("api.test:{port}")]),
+        &ca,
+        ProxyOptions::default(),
+    );
+
+    // Act
+    let got = https_get(&proxy, "api.test", port, "/big", &[], ca.roots()).await;
+    let log = proxy.stop_and_read_log();
+
+    // Assert
+    assert_eq!(got.status, StatusCode::OK);
+    assert!(
+        got.body.as_bytes() == big,
+        "{} bytes arrived",
+        got.body.len()
+    );
+    let line = log.iter().find(|e| e.host == "api.test").expect("a line");
+    assert_eq!(line.via, Via::Tunnel);
+    assert!(line.bytes_down >= big.len() as u64, "{line:?}");
+    assert!(line.bytes_up > 0, "{line:?}");
+}

@@ -15,6 +15,7 @@ use super::intercept;
 use super::io::{Meter, Metered, Side};
 use super::server::{admit, entry, fail};
 use super::shared::{empty, failed, Body, Conn, LogGuard};
+use super::zerocopy;
 use crate::log::Via;
 use crate::policy::host::shorten as host_text;
 use crate::policy::{Decision, HostName, Target, TargetHost, VettedAddr};
@@ -131,26 +132,36 @@ impl Tunnel {
         self.conn.shared.log.record(&line);
     }
 
-    /// Replays the ClientHello upstream and copies bytes both ways until either side closes
-    /// (or the connection's idle timeout or shutdown drops the task); logs the bytes.
-    async fn splice(self, mut guest: TokioIo<Upgraded>, hello: Vec<u8>, upstream: TcpStream) {
+    /// Replays the ClientHello upstream and moves bytes both ways until either side closes
+    /// (or the connection's idle timeout or shutdown drops the task); logs the bytes. The
+    /// guest's socket and the upstream's are spliced without a copy through the proxy
+    /// ([`zerocopy`]) when hyper hands the guest's socket back.
+    async fn splice(self, guest: TokioIo<Upgraded>, hello: Vec<u8>, upstream: TcpStream) {
         let meter = Meter::new();
         let mut guard = LogGuard::new(
             self.conn.shared.clone(),
             entry(&self.target, Via::Tunnel, &self.decision, None),
         );
         guard.meter = Some(meter.clone());
-        let mut upstream = Metered::new(upstream, meter, Side::Upstream);
+        let mut upstream = Metered::new(upstream, meter.clone(), Side::Upstream);
         if upstream.write_all(&hello).await.is_err() {
             return;
         }
-        let _ = tokio::io::copy_bidirectional_with_sizes(
-            &mut guest,
-            &mut upstream,
-            SPLICE_BUFFER,
-            SPLICE_BUFFER,
-        )
-        .await;
+        match zerocopy::take_socket(guest.into_inner()) {
+            Ok(Ok(raw)) => {
+                let _ = zerocopy::splice_both(raw, upstream.into_inner(), meter).await;
+            }
+            Ok(Err(e)) => tracing::warn!("egress proxy: a tunnel's socket was lost: {e}"),
+            Err(upgraded) => {
+                let _ = tokio::io::copy_bidirectional_with_sizes(
+                    &mut TokioIo::new(upgraded),
+                    &mut upstream,
+                    SPLICE_BUFFER,
+                    SPLICE_BUFFER,
+                )
+                .await;
+            }
+        }
         drop(guard);
     }
 }

@@ -38,6 +38,18 @@ impl Meter {
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
+    /// Counts `n` bytes moved towards the upstream outside a [`Metered`] stream.
+    pub fn count_up(&self, n: usize) {
+        self.up.fetch_add(n as u64, Ordering::Relaxed);
+        self.touch();
+    }
+
+    /// Counts `n` bytes moved towards the guest outside a [`Metered`] stream.
+    pub fn count_down(&self, n: usize) {
+        self.down.fetch_add(n as u64, Ordering::Relaxed);
+        self.touch();
+    }
+
     /// Bytes towards the upstream so far.
     pub fn up(&self) -> u64 {
         self.up.load(Ordering::Relaxed)
@@ -82,6 +94,11 @@ impl<S> Metered<S> {
     /// Wraps `inner`.
     pub fn new(inner: S, meter: Arc<Meter>, side: Side) -> Metered<S> {
         Metered { inner, meter, side }
+    }
+
+    /// The wrapped stream.
+    pub fn into_inner(self) -> S {
+        self.inner
     }
 
     fn count(&self, n: usize, reading: bool) {

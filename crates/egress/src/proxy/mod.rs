@@ -15,6 +15,7 @@ mod io;
 mod plain;
 mod server;
 mod shared;
+mod zerocopy;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
