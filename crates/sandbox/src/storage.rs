@@ -27,6 +27,7 @@ use std::process::Command;
 use bulkhead_image::ext4::{self, InspectError};
 use bulkhead_protocol::boot::{Overlay, RootParam};
 use bulkhead_vmm::config::DiskConfig;
+use bulkhead_vmm::devices::virtio::block::SECTOR_SIZE;
 
 /// File name of the scratch disk in the sandbox's runtime directory.
 pub const SCRATCH_FILE: &str = "scratch.ext4";
@@ -111,6 +112,15 @@ pub enum StorageError {
     DiskAttachedTwice {
         /// The path of the second attachment.
         path: PathBuf,
+    },
+    /// A data disk file's size is not a whole number of sectors: virtio-blk counts a disk's
+    /// capacity in 512-byte sectors (virtio 1.2 §5.2.4), so the guest would not see its tail.
+    #[error("disk file {} is {bytes} bytes, not a whole number of 512-byte sectors: the guest would not see its last {} bytes (pad it: truncate -s %512 {})", path.display(), bytes % SECTOR_SIZE, path.display())]
+    DiskNotWholeSectors {
+        /// The path given.
+        path: PathBuf,
+        /// Its size in bytes.
+        bytes: u64,
     },
     /// A disk cannot be opened for reading.
     #[error("disk file {}: {source}", path.display())]
@@ -214,6 +224,12 @@ fn check_disk(disk: &DiskConfig) -> Result<(), StorageError> {
     let file_type = meta.file_type();
     if !file_type.is_file() && !std::os::unix::fs::FileTypeExt::is_block_device(&file_type) {
         return Err(StorageError::NotADisk { path: path.clone() });
+    }
+    if file_type.is_file() && meta.len() % SECTOR_SIZE != 0 {
+        return Err(StorageError::DiskNotWholeSectors {
+            path: path.clone(),
+            bytes: meta.len(),
+        });
     }
     OpenOptions::new()
         .read(true)
@@ -455,6 +471,31 @@ mod tests {
         // Assert
         assert!(matches!(missing_err, StorageError::DiskNotFound { .. }));
         assert!(matches!(dir_err, StorageError::NotADisk { .. }));
+    }
+
+    #[test]
+    fn a_disk_file_that_ends_inside_a_sector_is_refused_with_the_bytes_the_guest_would_lose() {
+        // Arrange
+        let dir = tempfile::tempdir().unwrap();
+        let odd = dir.path().join("odd.img");
+        fs::write(&odd, vec![7u8; 1000]).unwrap();
+        let whole = dir.path().join("whole.img");
+        fs::write(&whole, vec![7u8; 1024]).unwrap();
+
+        // Act
+        let odd_err = check_disk(&disk(&odd, true)).unwrap_err();
+        let whole_ok = check_disk(&disk(&whole, true));
+
+        // Assert
+        assert!(
+            matches!(
+                odd_err,
+                StorageError::DiskNotWholeSectors { bytes: 1000, .. }
+            ),
+            "{odd_err}"
+        );
+        assert!(odd_err.to_string().contains("last 488 bytes"), "{odd_err}");
+        assert!(whole_ok.is_ok(), "{whole_ok:?}");
     }
 
     #[test]
