@@ -147,11 +147,15 @@ impl Tunnel {
         if upstream.write_all(&hello).await.is_err() {
             return;
         }
-        match zerocopy::take_socket(guest.into_inner()) {
-            Ok(Ok(raw)) => {
-                let _ = zerocopy::splice_both(raw, upstream.into_inner(), meter).await;
+        let taken = match zerocopy::Pipes::new() {
+            Ok(pipes) => zerocopy::take_socket(guest.into_inner()).map(|raw| (raw, pipes)),
+            Err(_) => Err(guest.into_inner()),
+        };
+        match taken {
+            Ok((Ok(raw), pipes)) => {
+                let _ = zerocopy::splice_both(raw, upstream.into_inner(), pipes, meter).await;
             }
-            Ok(Err(e)) => tracing::warn!("egress proxy: a tunnel's socket was lost: {e}"),
+            Ok((Err(e), _)) => tracing::warn!("egress proxy: a tunnel's socket was lost: {e}"),
             Err(upgraded) => {
                 let _ = tokio::io::copy_bidirectional_with_sizes(
                     &mut TokioIo::new(upgraded),

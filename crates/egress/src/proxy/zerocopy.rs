@@ -3,7 +3,8 @@
 //! into the proxy's memory (the kernel moves page references; AF_UNIX and TCP both splice).
 //!
 //! Used for CONNECT tunnels that are not intercepted, when the guest's stream is a Unix or TCP
-//! socket (the VMM's vsock backend, or a test's TCP listener); anything else falls back to
+//! socket (the VMM's vsock backend, or a test's TCP listener) and the two pipes could be made;
+//! otherwise (another stream, or no descriptors left for pipes) the tunnel falls back to
 //! tokio's buffered copy. `splice(2)` into a socket whose peer has gone raises `SIGPIPE` (it
 //! takes no `MSG_NOSIGNAL`): a Rust program ignores that signal from its start, as bulkhead's
 //! binaries do; a process that embeds the proxy must ignore it too.
@@ -53,6 +54,25 @@ pub(crate) fn take_socket(upgraded: Upgraded) -> Result<io::Result<RawGuest>, Up
 
 fn raw(fd: OwnedFd, buffered: Bytes) -> RawGuest {
     RawGuest { fd, buffered }
+}
+
+/// The two pipes of a spliced tunnel, one each way.
+pub(crate) struct Pipes {
+    up: Pipe,
+    down: Pipe,
+}
+
+impl Pipes {
+    /// Two new pipes (four descriptors).
+    ///
+    /// # Errors
+    /// `pipe2(2)`'s, e.g. `EMFILE` when the process has no descriptors left.
+    pub fn new() -> io::Result<Pipes> {
+        Ok(Pipes {
+            up: Pipe::new()?,
+            down: Pipe::new()?,
+        })
+    }
 }
 
 /// One direction's pipe.
@@ -182,18 +202,21 @@ fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
     unsafe { AsyncFd::register(fd) }.map_err(io::Error::from)
 }
 
-/// Splices `guest` and `upstream` both ways until both have ended (a shut write side follows
-/// each end of file) or either fails.
+/// Splices `guest` and `upstream` both ways through `pipes` until both have ended (a shut
+/// write side follows each end of file) or either fails.
 ///
 /// # Errors
-/// Registering the sockets with the runtime, creating the pipes, or the first failing
-/// `splice(2)`.
+/// Registering the sockets with the runtime, or the first failing `splice(2)`.
 pub(crate) async fn splice_both(
     guest: RawGuest,
     upstream: TcpStream,
+    pipes: Pipes,
     meter: Arc<Meter>,
 ) -> io::Result<()> {
-    let (up_pipe, down_pipe) = (Pipe::new()?, Pipe::new()?);
+    let Pipes {
+        up: up_pipe,
+        down: down_pipe,
+    } = pipes;
     let upstream: OwnedFd = upstream.into_std()?.into();
     let guest_fd = register(guest.fd)?;
     let upstream = register(upstream)?;
