@@ -1,7 +1,14 @@
 //! Egress proxy benchmark (no criterion: `cargo bench -p bulkhead-egress --bench egress`).
 //!
 //! 1. Throughput: a 100 MiB HTTPS download from a local server, directly and through the proxy
-//!    (spliced tunnel, and intercepted TLS); the ratio of throughputs.
+//!    (spliced tunnel, and intercepted TLS), the paths taking turns download by download; the
+//!    ratio of the median throughputs, and the CPU time this process (client, server and proxy
+//!    alike) spent per download (`getrusage(2)`): the proxy's own cost per 100 MiB is a path's
+//!    CPU time less the direct path's, a figure that does not depend on how the few cores of
+//!    a small machine were shared out.
+//!    The same for the proxy alone: 1 GiB of raw bytes from a server that answers a
+//!    ClientHello with them (no TLS work on either end), directly and through a spliced
+//!    tunnel: how fast the proxy itself moves a tunnel's bytes.
 //! 2. Added latency per HTTPS request on a new connection (TCP/Unix connect, CONNECT, TLS
 //!    handshake, `GET /`): direct, spliced, intercepted; p50/p90 and the difference to direct.
 //!
@@ -11,6 +18,8 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use std::net::Ipv4Addr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulkhead_egress::policy::{NetworkMode, NetworkSpec, RuleSpec};
@@ -20,11 +29,13 @@ use hyper::Method;
 use hyper_util::rt::TokioIo;
 use rustls::RootCertStore;
 use support::*;
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 
 const DOWNLOAD: usize = 100 << 20;
-const DOWNLOAD_RUNS: usize = 5;
+/// Bytes of a raw download (the proxy alone).
+const RAW_DOWNLOAD: usize = 1 << 30;
+const DOWNLOAD_RUNS: usize = 9;
 const LATENCY_RUNS: usize = 200;
 
 #[derive(Clone, Copy, Debug)]
@@ -32,11 +43,15 @@ enum Path {
     Direct,
     Spliced,
     Intercepted,
+    RawDirect,
+    RawSpliced,
 }
 
 struct Setup {
     ca: TestCa,
     server: TestServer,
+    raw_port: u16,
+    hello: Vec<u8>,
     spliced: TestProxy,
     intercepted: TestProxy,
 }
@@ -46,10 +61,12 @@ impl Setup {
         let ca = TestCa::new();
         let server = TestServer::start(&ca).await;
         server.set_big(Bytes::from(vec![0x5a; DOWNLOAD]));
+        let hello = client_hello();
+        let raw_port = raw_source(hello.len()).await;
         let host = format!("api.test:{}", server.tls_port);
         let base = NetworkSpec {
             mode: NetworkMode::Allowlist,
-            allow: vec![host.clone()],
+            allow: vec![host.clone(), format!("api.test:{raw_port}")],
             allow_cidr: vec!["127.0.0.1/32".into()],
             ..NetworkSpec::default()
         };
@@ -66,6 +83,8 @@ impl Setup {
         Setup {
             ca,
             server,
+            raw_port,
+            hello,
             spliced,
             intercepted,
         }
@@ -90,6 +109,67 @@ impl Setup {
                 let tunnel = connect_tunnel(&self.intercepted, &authority).await.unwrap();
                 fetch(tunnel, self.intercepted.ca_roots(), &authority, path).await
             }
+            Path::RawDirect => {
+                let tcp = TcpStream::connect(loopback(self.raw_port)).await.unwrap();
+                tcp.set_nodelay(true).unwrap();
+                drain(tcp, &self.hello).await
+            }
+            Path::RawSpliced => {
+                let authority = format!("api.test:{}", self.raw_port);
+                let tunnel = connect_tunnel(&self.spliced, &authority).await.unwrap();
+                drain(tunnel, &self.hello).await
+            }
+        }
+    }
+}
+
+/// A TLS 1.3 ClientHello for api.test (what the proxy checks before it splices).
+fn client_hello() -> Vec<u8> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(RootCertStore::empty())
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("api.test").unwrap();
+    let mut conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let mut hello = Vec::new();
+    conn.write_tls(&mut hello).unwrap();
+    hello
+}
+
+/// A server on 127.0.0.1 that reads a ClientHello of `hello_len` bytes from each connection,
+/// then sends `RAW_DOWNLOAD` bytes and closes; its port.
+async fn raw_source(hello_len: usize) -> u16 {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let chunk = Bytes::from(vec![0x5a_u8; 1 << 20]);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let chunk = chunk.clone();
+            tokio::spawn(async move {
+                stream.set_nodelay(true).unwrap();
+                let mut hello = vec![0; hello_len];
+                stream.read_exact(&mut hello).await.unwrap();
+                for _ in 0..RAW_DOWNLOAD / chunk.len() {
+                    stream.write_all(&chunk).await.unwrap();
+                }
+                stream.shutdown().await.unwrap();
+            });
+        }
+    });
+    port
+}
+
+/// Sends `hello` over `io`, then reads until the end; the bytes read.
+async fn drain<S: AsyncRead + AsyncWrite + Unpin>(mut io: S, hello: &[u8]) -> usize {
+    io.write_all(hello).await.unwrap();
+    let mut buf = vec![0; 256 << 10];
+    let mut total = 0;
+    loop {
+        match io.read(&mut buf).await.unwrap() {
+            0 => return total,
+            n => total += n,
         }
     }
 }
@@ -119,6 +199,16 @@ where
     size
 }
 
+impl Path {
+    /// The bytes one download by this path brings.
+    fn bytes(self) -> usize {
+        match self {
+            Path::RawDirect | Path::RawSpliced => RAW_DOWNLOAD,
+            _ => DOWNLOAD,
+        }
+    }
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[index]
@@ -128,17 +218,60 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-async fn throughput(setup: &Setup, route: Path) -> f64 {
-    let mut times = Vec::new();
-    for _ in 0..DOWNLOAD_RUNS {
-        let start = Instant::now();
-        let size = setup.get(route, "/big").await;
-        times.push(start.elapsed());
-        assert_eq!(size, DOWNLOAD);
+/// CPU time (user + system) of this whole process so far.
+fn process_cpu() -> Duration {
+    // SAFETY: an all-zero rusage is a valid value for getrusage to fill in.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the struct we pass; RUSAGE_SELF is always valid.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let time = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    time(usage.ru_utime) + time(usage.ru_stime)
+}
+
+/// The medians of one path's downloads: wall time and this process's CPU time.
+#[derive(Clone, Copy)]
+struct Download {
+    bytes: usize,
+    wall: Duration,
+    cpu: Duration,
+}
+
+impl Download {
+    fn mib_per_s(&self) -> f64 {
+        self.bytes as f64 / self.wall.as_secs_f64() / (1 << 20) as f64
     }
-    times.sort();
-    let median = percentile(&times, 0.5);
-    DOWNLOAD as f64 / median.as_secs_f64() / (1 << 20) as f64
+}
+
+/// `DOWNLOAD_RUNS` downloads by each of `routes`, taking turns (so that a slower or busier
+/// moment of the machine falls on every path alike); the medians per path.
+async fn downloads(setup: &Setup, routes: &[Path]) -> Vec<Download> {
+    let mut walls = vec![Vec::new(); routes.len()];
+    let mut cpus = vec![Vec::new(); routes.len()];
+    for _ in 0..DOWNLOAD_RUNS {
+        for (i, &route) in routes.iter().enumerate() {
+            let (start, cpu) = (Instant::now(), process_cpu());
+            let size = setup.get(route, "/big").await;
+            walls[i].push(start.elapsed());
+            cpus[i].push(process_cpu().saturating_sub(cpu));
+            assert_eq!(size, route.bytes());
+        }
+    }
+    walls
+        .iter_mut()
+        .zip(cpus.iter_mut())
+        .zip(routes)
+        .map(|((wall, cpu), route)| {
+            wall.sort();
+            cpu.sort();
+            Download {
+                bytes: route.bytes(),
+                wall: percentile(wall, 0.5),
+                cpu: percentile(cpu, 0.5),
+            }
+        })
+        .collect()
 }
 
 async fn latencies(setup: &Setup, route: Path) -> Vec<Duration> {
@@ -155,19 +288,39 @@ async fn latencies(setup: &Setup, route: Path) -> Vec<Duration> {
     times
 }
 
+/// Prints a table row per route: throughput, ratio to the first route, CPU time.
+async fn throughput_table(setup: &Setup, routes: &[Path]) {
+    let results = downloads(setup, routes).await;
+    let first = results[0];
+    for (route, got) in routes.iter().zip(&results) {
+        println!(
+            "| {route:?} | {:.0} | {:.2} | {:.0} | {:+.0} |",
+            got.mib_per_s(),
+            got.mib_per_s() / first.mib_per_s(),
+            ms(got.cpu),
+            ms(got.cpu) - ms(first.cpu)
+        );
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let setup = Setup::new().await;
-    println!("## Throughput: 100 MiB HTTPS download, median of {DOWNLOAD_RUNS}\n");
-    println!("| path | MiB/s | ratio to direct |\n|---|---|---|");
-    let direct = throughput(&setup, Path::Direct).await;
-    for route in [Path::Direct, Path::Spliced, Path::Intercepted] {
-        let rate = match route {
-            Path::Direct => direct,
-            _ => throughput(&setup, route).await,
-        };
-        println!("| {route:?} | {rate:.0} | {:.2} |", rate / direct);
-    }
+    println!("## Throughput: 100 MiB HTTPS download, median of {DOWNLOAD_RUNS}, paths in turn\n");
+    println!(
+        "| path | MiB/s | ratio to direct | CPU ms per download | added CPU ms |\n\
+         |---|---|---|---|---|"
+    );
+    throughput_table(&setup, &[Path::Direct, Path::Spliced, Path::Intercepted]).await;
+    println!(
+        "\n## The proxy alone: 1 GiB of raw bytes after a ClientHello, median of \
+         {DOWNLOAD_RUNS}, paths in turn\n"
+    );
+    println!(
+        "| path | MiB/s | ratio to direct | CPU ms per download | added CPU ms |\n\
+         |---|---|---|---|---|"
+    );
+    throughput_table(&setup, &[Path::RawDirect, Path::RawSpliced]).await;
     println!("\n## Latency: one HTTPS GET on a new connection, {LATENCY_RUNS} runs\n");
     println!("| path | p50 ms | p90 ms | added p50 ms | added p90 ms |\n|---|---|---|---|---|");
     let base = latencies(&setup, Path::Direct).await;
