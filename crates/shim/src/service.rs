@@ -23,6 +23,10 @@ use crate::ErrorKind;
 /// The exit status of a process whose backend lost it (the VM or the agent went away).
 pub const LOST_STATUS: u32 = 255;
 
+/// Exit status of a process whose command could not be run in the guest (missing, not
+/// executable, a bad working directory), as a shell reports a command it cannot find.
+pub const NOT_RUNNABLE_STATUS: u32 = 127;
+
 /// SIGKILL's number (9 on every Linux architecture).
 const SIGKILL: u32 = 9;
 
@@ -168,7 +172,19 @@ impl<B: Backend> TaskService<B> {
         let started = match self.inner.backend.start(&spec).await {
             Ok(started) => started,
             Err(e) => {
+                // The process can never run now: it stops, as a runc task whose command is
+                // missing does (at its create), so that containerd's plain Delete (`ctr run
+                // --rm`'s clean-up) removes it and, for an init process, its VM.
                 self.tasks().finish_start(key, None).ok();
+                let status = match e {
+                    BackendError::InvalidArgument(_) => NOT_RUNNABLE_STATUS,
+                    _ => LOST_STATUS,
+                };
+                let exit = Exit {
+                    status,
+                    at: SystemTime::now(),
+                };
+                self.record_exit(key, exit).await;
                 return Err(e.into());
             }
         };

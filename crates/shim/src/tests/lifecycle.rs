@@ -190,19 +190,43 @@ async fn start_of_an_unknown_id_is_not_found() {
 }
 
 #[tokio::test]
-async fn a_failed_start_leaves_the_task_created() {
+async fn a_failed_start_stops_the_task_so_that_a_plain_delete_removes_it() {
+    // Arrange
     let h = Harness::new();
     h.create("c1").await.unwrap();
     h.backend.fail_start();
 
+    // Act
     let started = h.start(&init("c1")).await;
+    let state = h.state(&init("c1")).await.unwrap();
+    let deleted = h.delete(&init("c1")).await;
 
+    // Assert
     assert_eq!(code(started), Code::INTERNAL);
+    assert_eq!(state.status(), api::Status::STOPPED);
+    assert_eq!(state.exit_status, crate::service::LOST_STATUS);
+    assert!(deleted.is_ok(), "{deleted:?}");
     assert_eq!(
-        h.state(&init("c1")).await.unwrap().status(),
-        api::Status::CREATED
+        h.topics(),
+        ["/tasks/create", "/tasks/exit", "/tasks/delete"]
     );
-    assert_eq!(h.topics(), ["/tasks/create"]);
+}
+
+#[tokio::test]
+async fn a_command_the_guest_cannot_run_stops_with_127() {
+    // Arrange
+    let h = Harness::new();
+    h.create("c1").await.unwrap();
+    h.backend.not_runnable();
+
+    // Act
+    let started = h.start(&init("c1")).await;
+    let state = h.state(&init("c1")).await.unwrap();
+
+    // Assert
+    assert_eq!(code(started), Code::INVALID_ARGUMENT);
+    assert_eq!(state.status(), api::Status::STOPPED);
+    assert_eq!(state.exit_status, crate::service::NOT_RUNNABLE_STATUS);
 }
 
 #[tokio::test]

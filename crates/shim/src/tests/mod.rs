@@ -49,6 +49,8 @@ struct FakeState {
     next_pid: u32,
     fail_create: bool,
     fail_start: bool,
+    /// Refuse the next start as a command that cannot be run (`InvalidArgument`).
+    not_runnable: bool,
     /// The pod VM's cgroup directory and size that `update` applies to, once given.
     cgroup: Option<(std::path::PathBuf, u32, u8)>,
 }
@@ -85,6 +87,11 @@ impl FakeBackend {
 
     pub fn fail_start(&self) {
         self.with(|s| s.fail_start = true);
+    }
+
+    /// Makes starts fail as a command the guest cannot run does.
+    pub fn not_runnable(&self) {
+        self.with(|s| s.not_runnable = true);
     }
 
     /// Makes a started process exit with `status` at `at`.
@@ -131,6 +138,11 @@ impl Backend for FakeBackend {
         self.record(Call::Start(spec.clone()));
         if self.with(|s| s.fail_start) {
             return Err(BackendError::Failed("the agent went away".into()));
+        }
+        if self.with(|s| s.not_runnable) {
+            return Err(BackendError::InvalidArgument(
+                "[\"/no/such\"] could not be run".into(),
+            ));
         }
         let (sender, exit) = oneshot::channel();
         self.with(|s| s.exits.insert(spec.key.clone(), sender));
