@@ -90,3 +90,52 @@ guest_test!(
         assert!(view[1] > procs, "{guest_view}");
     }
 );
+
+guest_test!(
+    fn a_container_killed_after_execs_joined_it_stops() {
+        // Arrange: a container whose first process waits, and two execs that join it and end.
+        let dir = bulkhead_tests::scratch_dir();
+        let console = dir.path().join("console.log");
+        let sandbox = Sandbox::start(&SandboxConfig {
+            console: bulkhead_vmm::config::SerialOutput::File(console.clone()),
+            ..config()
+        })
+        .unwrap();
+        stdout_of(&sandbox, &sh(MAKE_ROOT));
+        let mut first = in_container("echo up; exec sleep 1000", None);
+        first.stdin = true;
+        let mut session = sandbox.exec(&first).unwrap();
+        let pid = session.pid().unwrap();
+        assert!(matches!(
+            session.next_event().unwrap(),
+            Some(ExecEvent::Stdout(_))
+        ));
+        // As the containerd shim runs `ctr task exec`: stdin open, closed after the exit.
+        for _ in 0..3 {
+            let mut join = in_container("echo joined", Some(pid));
+            join.stdin = true;
+            let mut exec = sandbox.exec(&join).unwrap();
+            let writer = exec.writer();
+            while let Ok(Some(event)) = exec.next_event() {
+                if matches!(event, ExecEvent::Exit(_)) {
+                    break;
+                }
+            }
+            let _ = writer.close_stdin();
+        }
+
+        // Act
+        session.writer().signal(libc::SIGKILL).unwrap();
+        let end = session.wait_with_output();
+
+        // Assert
+        let shown = std::fs::read_to_string(&console).unwrap_or_default();
+        let end = end.unwrap_or_else(|e| panic!("{e}\n--- console\n{shown}"));
+        assert_eq!(
+            end.status.signal,
+            Some(libc::SIGKILL),
+            "{:?}\n--- console\n{shown}",
+            end.status
+        );
+    }
+);
