@@ -42,7 +42,9 @@
 # both images are imported in the `k8s.io` namespace, and CLIENT runs in place of steps 4-6 with
 # CONTAINER_RUNTIME_ENDPOINT=unix://SOCKET, BULKHEAD_DEMO_IMAGE=IMAGE and
 # BULKHEAD_DEMO_SANDBOX_IMAGE=the pause image (e.g. crictl, or
-# target/debug/bulkhead-cri-check, which runs two pods); the script exits with its status.
+# target/release/bulkhead-cri-check, `cargo build --release -p bulkhead-tests --bin
+# bulkhead-cri-check`, which runs two pods); the script exits with its status. Its runtime
+# handler passes the pods' `bulkhead.io/*` annotations on to the shim, as docs/kubernetes.md's does.
 # With --bench N, steps 4-6 are N rounds of `ctr run --rm ... CMD` and `DIR/bulkhead run -- CMD`
 # in turn, each timed from its start to its first line of output, printed as `bench: ctr MS` and
 # `bench: run MS` (benches/containerd.rs reads them).
@@ -68,17 +70,21 @@ BENCH=0
 PAUSE="docker.io/bulkhead/pause:demo"
 TTY=()
 
+# need_value OPTION VALUE...: fails unless OPTION has a value after it.
+need_value() {
+    (($# >= 2)) || { echo "containerd-demo: $1 needs a value (see --help)" >&2; exit 2; }
+}
 while (($#)); do
     case "$1" in
-        --bin) BIN="$2"; shift 2 ;;
-        --work) WORK="$2"; shift 2 ;;
+        --bin) need_value "$@"; BIN="$2"; shift 2 ;;
+        --work) need_value "$@"; WORK="$2"; shift 2 ;;
         --more) MORE=1; shift ;;
         --tty) TTY=(-t); shift ;;
         --cri) CRI=1; shift ;;
-        --bench) BENCH="$2"; shift 2 ;;
+        --bench) need_value "$@"; BENCH="$2"; shift 2 ;;
         --faults) FAULTS=1; shift ;;
         --) shift; CMD=("$@"); break ;;
-        -h|--help) sed -n '2,51p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
         *) echo "containerd-demo: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -86,6 +92,12 @@ done
 log() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'containerd-demo: %s\n' "$*" >&2; exit 1; }
 [[ "$BENCH" =~ ^[0-9]+$ ]] || die "--bench takes a number of rounds, not \"$BENCH\""
+if ((CRI && (MORE || FAULTS || BENCH) )) || [[ "$CRI" == 1 && ${#TTY[@]} -gt 0 ]]; then
+    die "--cri runs a CRI client instead of the ctr steps: it does not go with --more, --faults, --bench or --tty"
+fi
+if ((CRI)) && [[ "${CMD[*]}" == "uname -r" ]]; then
+    die "--cri needs a CRI client after --, e.g. -- target/release/bulkhead-cri-check"
+fi
 
 [[ -x "$BIN/containerd-shim-bulkhead-v2" ]] \
     || die "$BIN/containerd-shim-bulkhead-v2 is missing: cargo build --release -p bulkhead-shim (or --bin DIR)"
@@ -180,6 +192,7 @@ if ((CRI)); then
     default_runtime_name = \"bulkhead\"
     [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.bulkhead]
       runtime_type = \"io.containerd.bulkhead.v2\"
+      pod_annotations = [\"bulkhead.io/*\"]
   [plugins.\"io.containerd.grpc.v1.cri\".cni]
     bin_dir = \"$WORK/cni/bin\"
     conf_dir = \"$WORK/cni/net.d\""
