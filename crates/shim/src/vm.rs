@@ -459,11 +459,34 @@ pub fn status_of(exit: &ExitStatus) -> u32 {
     exit.shell_code().map_or(LOST, |c| c.clamp(0, 255) as u32)
 }
 
-/// Opens a FIFO for writing, or nothing when containerd gave no path.
+/// Opens containerd's output FIFO `path` for writing; nothing when containerd gave no path or
+/// the FIFO has no reader left.
+///
+/// `open(2)` of a FIFO for writing waits for a reader, and the reader of a detached `ctr run
+/// -d` may be gone by the time its process starts: a blocking open would stall the thread that
+/// also reads the process's exit, and the task would never stop in containerd's eyes. So the
+/// FIFO is opened non-blocking (`ENXIO` without a reader: the output is dropped, as it would
+/// be unread), then set back to blocking writes, which pace the copy to a reader that exists.
 fn open_out(path: &str) -> Option<File> {
-    (!path.is_empty())
-        .then(|| OpenOptions::new().write(true).open(path).ok())
-        .flatten()
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    if path.is_empty() {
+        return None;
+    }
+    let file = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let fd = file.as_raw_fd();
+    // SAFETY: F_GETFL/F_SETFL on a descriptor we own; only O_NONBLOCK changes.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
+    }
+    Some(file)
 }
 
 /// Copies the exec's output to containerd's FIFOs on a thread of its own, then reports its end:
@@ -596,6 +619,43 @@ impl Backend for SharedVmBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::os::unix::fs::OpenOptionsExt;
+
+    fn fifo(dir: &Path) -> PathBuf {
+        let path = dir.join("stdout");
+        let name = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo(3) with a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        path
+    }
+
+    #[test]
+    fn an_output_fifo_without_a_reader_is_skipped_at_once_and_one_with_a_reader_gets_the_bytes() {
+        // Arrange: one FIFO nobody reads (a detached `ctr run -d` gone), one with a reader.
+        let dir = tempfile::tempdir().unwrap();
+        let unread = fifo(dir.path());
+        let read_dir = dir.path().join("r");
+        std::fs::create_dir(&read_dir).unwrap();
+        let read = fifo(&read_dir);
+        let reader = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&read)
+            .unwrap();
+
+        // Act
+        let skipped = open_out(unread.to_str().unwrap());
+        let opened = open_out(read.to_str().unwrap());
+        opened.as_ref().unwrap().write_all(b"out").unwrap();
+        let mut got = [0u8; 3];
+        (&reader).read_exact(&mut got).unwrap();
+
+        // Assert
+        assert!(skipped.is_none());
+        assert_eq!(&got, b"out");
+        assert!(open_out("").is_none());
+    }
 
     #[test]
     fn an_exit_code_is_the_status_and_a_signal_is_128_plus_it() {
