@@ -27,6 +27,13 @@ pub enum PortsError {
     /// The annotation holds something other than port mappings.
     #[error("annotation {PORTS_ANNOTATION}: {0}")]
     Annotation(IngressError),
+    /// An entry names an address: a pod's ports listen on every address of its network
+    /// namespace, never on one it picks.
+    #[error("annotation {PORTS_ANNOTATION}: {0:?} names an address; give HOST_PORT:GUEST_PORT or PORT (the pod's ports listen on every address of its network namespace)")]
+    Address(String),
+    /// A host port is listed twice.
+    #[error("annotation {PORTS_ANNOTATION}: host port {0} is listed twice")]
+    Duplicate(u16),
     /// A port could not be bound.
     #[error(transparent)]
     Bind(IngressError),
@@ -50,7 +57,7 @@ pub fn mappings(spec: &Spec) -> Result<Vec<PortMapping>, PortsError> {
         return Ok(Vec::new());
     };
     let any = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
-    value
+    let found: Vec<PortMapping> = value
         .split(',')
         .map(str::trim)
         .filter(|entry| !entry.is_empty())
@@ -58,12 +65,16 @@ pub fn mappings(spec: &Spec) -> Result<Vec<PortMapping>, PortsError> {
             // An address would let a pod pick the node's interfaces: ports only.
             match entry.split(':').count() {
                 1 | 2 => PortMapping::parse(entry, any).map_err(PortsError::Annotation),
-                _ => Err(PortsError::Annotation(IngressError::BadMapping(
-                    entry.to_owned(),
-                ))),
+                _ => Err(PortsError::Address(entry.to_owned())),
             }
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    let mut ports: Vec<u16> = found.iter().map(|m| m.host.port()).collect();
+    ports.sort_unstable();
+    match ports.windows(2).find(|w| w[0] == w[1] && w[0] != 0) {
+        Some(twice) => Err(PortsError::Duplicate(twice[0])),
+        None => Ok(found),
+    }
 }
 
 /// The path of the network namespace `spec` joins, if it names one.
@@ -145,7 +156,7 @@ mod tests {
 
     #[test]
     fn addresses_and_bad_ports_in_the_annotation_are_refused() {
-        for bad in ["127.0.0.1:80:80", "0", "http", "80:"] {
+        for bad in ["0", "http", "80:"] {
             // Act
             let result = mappings(&annotated(Some(bad)));
 
@@ -155,6 +166,11 @@ mod tests {
                 "{bad:?}: {result:?}"
             );
         }
+        let address = mappings(&annotated(Some("127.0.0.1:80:80"))).unwrap_err();
+        let twice = mappings(&annotated(Some("8080, 9090:80, 8080:81"))).unwrap_err();
+        assert!(matches!(address, PortsError::Address(_)), "{address:?}");
+        assert!(!address.to_string().contains("[ADDRESS:]"), "{address}");
+        assert!(matches!(twice, PortsError::Duplicate(8080)), "{twice:?}");
     }
 
     #[test]
