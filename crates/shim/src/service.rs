@@ -20,6 +20,15 @@ use crate::state::{
 };
 use crate::ErrorKind;
 
+/// Counts a create out of [`Inner::creating`] when dropped (whatever way the create ends).
+struct Decrement<'a>(&'a tokio::sync::watch::Sender<usize>);
+
+impl Drop for Decrement<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
 /// The exit status of a process whose backend lost it (the VM or the agent went away).
 pub const LOST_STATUS: u32 = 255;
 
@@ -80,6 +89,8 @@ pub struct TaskService<B: Backend> {
 struct Inner<B> {
     backend: B,
     tasks: Mutex<Tasks>,
+    /// How many creates are in the backend (their VMs booting).
+    creating: tokio::sync::watch::Sender<usize>,
 }
 
 impl<B: Backend> Clone for TaskService<B> {
@@ -104,6 +115,7 @@ impl<B: Backend> TaskService<B> {
         let inner = Inner {
             backend,
             tasks: Mutex::new(Tasks::new(events)),
+            creating: tokio::sync::watch::Sender::new(0),
         };
         TaskService {
             inner: Arc::new(inner),
@@ -148,16 +160,31 @@ impl<B: Backend> TaskService<B> {
             stdio: req.stdio,
             annotations: req.annotations,
         };
+        self.inner.creating.send_modify(|n| *n += 1);
+        let _done = Decrement(&self.inner.creating);
         match self.inner.backend.create(&spec).await {
-            Ok(pid) => {
-                self.tasks().created(new, pid)?;
-                Ok(pid)
-            }
+            Ok(pid) => match self.record_created(new, pid) {
+                Ok(()) => Ok(pid),
+                Err(e) => {
+                    // Given up while its VM booted (containerd shut the shim down after its
+                    // client went away, [`TaskService::shut_down`]): what the backend made
+                    // for it would otherwise outlive the task.
+                    if let Err(undo) = self.inner.backend.delete(&spec.id, &spec.pod).await {
+                        tracing::warn!("undoing the create of {}: {undo}", spec.id);
+                    }
+                    Err(e.into())
+                }
+            },
             Err(e) => {
                 self.tasks().abandon(&spec.id);
                 Err(e.into())
             }
         }
+    }
+
+    /// Records a container the backend created (the state lock released on return).
+    fn record_created(&self, new: NewContainer, pid: u32) -> Result<(), StateError> {
+        self.tasks().created(new, pid)
     }
 
     /// `Start`: starts a created process; returns its pid.
@@ -315,6 +342,19 @@ impl<B: Backend> TaskService<B> {
     /// (one shim serves every container of a pod).
     pub fn may_shut_down(&self) -> bool {
         self.tasks().is_empty()
+    }
+
+    /// `Shutdown`: whether the shim may exit. A container containerd has (a finished create)
+    /// keeps it. Creates still in the backend were given up by containerd (it shuts a shim down
+    /// after a failed or cancelled create, e.g. `ctr run` killed, a kubelet deadline): their
+    /// reservations go, and this waits until each has undone what the backend made for it.
+    pub async fn shut_down(&self) -> bool {
+        if !self.tasks().drop_reservations() {
+            return false;
+        }
+        let mut creating = self.inner.creating.subscribe();
+        let _ = creating.wait_for(|n| *n == 0).await;
+        self.may_shut_down()
     }
 
     /// Publishes `TaskOOM` for a container (what a process's [`Ended::oom_killed`] becomes).

@@ -298,6 +298,16 @@ impl Tasks {
         Ok(())
     }
 
+    /// With no finished container, drops every reservation (creates still in the backend will
+    /// find theirs gone) and returns true; with one, changes nothing and returns false.
+    pub fn drop_reservations(&mut self) -> bool {
+        if self.containers.values().any(|c| c.ready) {
+            return false;
+        }
+        self.containers.clear();
+        true
+    }
+
     /// Drops a reservation whose creation failed.
     pub fn abandon(&mut self, id: &str) {
         if self.containers.get(id).is_some_and(|c| !c.ready) {

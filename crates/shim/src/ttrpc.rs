@@ -489,7 +489,7 @@ impl<B: Backend> Task for TtrpcTask<B> {
         _: &TtrpcContext,
         _: api::ShutdownRequest,
     ) -> ttrpc::Result<api::Empty> {
-        if self.service.may_shut_down() {
+        if self.service.shut_down().await {
             self.exit.signal();
         }
         Ok(api::Empty::default())

@@ -213,6 +213,58 @@ async fn a_failed_start_stops_the_task_so_that_a_plain_delete_removes_it() {
 }
 
 #[tokio::test]
+async fn a_shutdown_while_a_vm_boots_undoes_that_create_before_the_shim_exits() {
+    // Arrange: a create whose VM boot the test holds; containerd gives up on it (its client
+    // went away): Delete finds no task yet, then Shutdown.
+    let h = std::sync::Arc::new(Harness::new());
+    let gate = h.backend.gate_creates();
+    let creating = tokio::spawn({
+        let h = h.clone();
+        async move { h.create("c1").await }
+    });
+    while !h
+        .backend
+        .calls()
+        .iter()
+        .any(|c| matches!(c, Call::Create(_)))
+    {
+        tokio::task::yield_now().await;
+    }
+    let deleted = h.delete(&init("c1")).await;
+
+    // Act
+    let shutting = tokio::spawn({
+        let h = h.clone();
+        async move {
+            h.task
+                .shutdown(&ctx(), api::ShutdownRequest::default())
+                .await
+        }
+    });
+    tokio::task::yield_now().await;
+    let exited_before_the_boot = is_ready(h.exit.wait());
+    gate.add_permits(1);
+    let created = creating.await.unwrap();
+    let shut = shutting.await.unwrap();
+
+    // Assert
+    assert_eq!(code(deleted), Code::NOT_FOUND);
+    assert!(!exited_before_the_boot);
+    assert!(created.is_err(), "{created:?}");
+    assert!(shut.is_ok(), "{shut:?}");
+    assert!(is_ready(h.exit.wait()));
+    assert!(
+        h.backend
+            .calls()
+            .iter()
+            .any(|c| matches!(c, Call::Delete(id, _) if id == "c1")),
+        "{:?}",
+        h.backend.calls()
+    );
+    assert_eq!(code(h.state(&init("c1")).await), Code::NOT_FOUND);
+}
+
+#[tokio::test]
 async fn a_command_the_guest_cannot_run_stops_with_127() {
     // Arrange
     let h = Harness::new();

@@ -51,6 +51,8 @@ struct FakeState {
     fail_start: bool,
     /// Refuse the next start as a command that cannot be run (`InvalidArgument`).
     not_runnable: bool,
+    /// Creates wait for this before they finish (a VM that boots while the test acts).
+    create_gate: Option<Arc<tokio::sync::Semaphore>>,
     /// The pod VM's cgroup directory and size that `update` applies to, once given.
     cgroup: Option<(std::path::PathBuf, u32, u8)>,
 }
@@ -79,6 +81,13 @@ impl FakeBackend {
 
     pub fn calls(&self) -> Vec<Call> {
         self.with(|s| s.calls.clone())
+    }
+
+    /// Makes creates wait until the returned gate gets a permit.
+    pub fn gate_creates(&self) -> Arc<tokio::sync::Semaphore> {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        self.with(|s| s.create_gate = Some(gate.clone()));
+        gate
     }
 
     pub fn fail_create(&self) {
@@ -128,6 +137,9 @@ impl FakeBackend {
 impl Backend for FakeBackend {
     async fn create(&self, spec: &ContainerSpec) -> Result<u32, BackendError> {
         self.record(Call::Create(spec.clone()));
+        if let Some(gate) = self.with(|s| s.create_gate.clone()) {
+            let _ = gate.acquire().await;
+        }
         if self.with(|s| s.fail_create) {
             return Err(BackendError::Failed("the VM did not boot".into()));
         }
