@@ -36,24 +36,25 @@ pub(crate) struct RawGuest {
 /// listeners make nothing else); gives `upgraded` back otherwise. The inner result fails when
 /// the runtime would not release the socket (the tunnel is then lost).
 pub(crate) fn take_socket(upgraded: Upgraded) -> Result<io::Result<RawGuest>, Upgraded> {
-    let upgraded = match upgraded.downcast::<TokioIo<Metered<UnixStream>>>() {
-        Ok(parts) => {
-            let stream = parts.io.into_inner().into_inner().into_std();
-            return Ok(stream.map(|s| raw(s.into(), parts.read_buf)));
-        }
-        Err(upgraded) => upgraded,
-    };
-    match upgraded.downcast::<TokioIo<Metered<TcpStream>>>() {
-        Ok(parts) => {
-            let stream = parts.io.into_inner().into_inner().into_std();
-            Ok(stream.map(|s| raw(s.into(), parts.read_buf)))
-        }
-        Err(upgraded) => Err(upgraded),
-    }
+    take(upgraded, UnixStream::into_std).or_else(|upgraded| take(upgraded, TcpStream::into_std))
 }
 
-fn raw(fd: OwnedFd, buffered: Bytes) -> RawGuest {
-    RawGuest { fd, buffered }
+/// [`take_socket`] for one stream type `S`, released from the runtime by `into_std`.
+fn take<S, Std>(
+    upgraded: Upgraded,
+    into_std: fn(S) -> io::Result<Std>,
+) -> Result<io::Result<RawGuest>, Upgraded>
+where
+    TokioIo<Metered<S>>: hyper::rt::Read + hyper::rt::Write + Unpin + 'static,
+    Std: Into<OwnedFd>,
+{
+    let parts = upgraded.downcast::<TokioIo<Metered<S>>>()?;
+    let buffered = parts.read_buf;
+    let stream = into_std(parts.io.into_inner().into_inner());
+    Ok(stream.map(|s| RawGuest {
+        fd: s.into(),
+        buffered,
+    }))
 }
 
 /// The two pipes of a spliced tunnel, one each way.
