@@ -36,7 +36,7 @@ use bulkhead_vmm::control::ControlSocket;
 use bulkhead_vmm::exit_report::{ExitFile, ExitReport, EXIT_ERROR};
 use bulkhead_vmm::jail::{self, JailConfig, MountPlan};
 use bulkhead_vmm::seccomp::{SeccompMode, ThreadFilters, ThreadKind};
-use bulkhead_vmm::snapshot::{jail_config, restore_with_kvm, RestoreConfig};
+use bulkhead_vmm::snapshot::{self, RestoreConfig};
 use bulkhead_vmm::timings::{guest_ranges, ProcessClock, TimingsReport};
 use bulkhead_vmm::vstate::kvm::{host_kvm, KVM_PATH};
 use bulkhead_vmm::{ExitReason, StopHandle};
@@ -327,11 +327,15 @@ fn stop_on_signals(stop: StopHandle, seccomp: Arc<ThreadFilters>) -> Result<(), 
 }
 
 fn run(args: Args, launch: Launch) -> Result<ExitReport, String> {
-    let restore = args.restore.as_deref().map(|dir| args.restore_config(dir));
+    // The state file is read, digested and parsed once: for the jail's plan and the restore.
+    let restore = match args.restore.as_deref() {
+        Some(dir) => Some(snapshot::load(&args.restore_config(dir)).map_err(|e| e.to_string())?),
+        None => None,
+    };
     let api_sock = args.api_sock.clone();
     let config = match &restore {
-        // Only the launch checks below read it; the restore has its own.
-        Some(r) => VmConfig::new(r.dir.join("state")),
+        // What the jail's plan is made from; the restore itself uses the loaded snapshot.
+        Some(r) => r.jail_config(),
         None => args.into_config().map_err(|e| e.to_string())?,
     };
     let seccomp = Arc::new(ThreadFilters::new(launch.seccomp).map_err(|e| e.to_string())?);
@@ -351,17 +355,16 @@ fn run(args: Args, launch: Launch) -> Result<ExitReport, String> {
     let confined = match &launch.jail {
         Some(jail) => {
             let timings_path = launch.timings.as_ref().map(|(path, _)| path.as_path());
-            let planned = match &restore {
-                Some(r) => jail_config(r).map_err(|e| e.to_string())?,
-                None => config.clone(),
-            };
-            let plan = MountPlan::for_vm(&planned, timings_path).map_err(|e| e.to_string())?;
+            let plan = MountPlan::for_vm(&config, timings_path).map_err(|e| e.to_string())?;
             Some(jail::enter(jail, &plan, &launch.kvm_device).map_err(|e| e.to_string())?)
         }
         None => None,
     };
-    let mut vmm = match &restore {
-        Some(r) => restore_with_kvm(r, &launch.kvm_device).map_err(|e| e.to_string())?,
+    let restored_from = restore.as_ref().map(|r| r.dir().to_owned());
+    let mut vmm = match restore {
+        Some(r) => r
+            .restore_with_kvm(&launch.kvm_device)
+            .map_err(|e| e.to_string())?,
         None => build_with_kvm(&config, &launch.kvm_device).map_err(|e| e.to_string())?,
     };
     if let Some(path) = &api_sock {
@@ -370,8 +373,8 @@ fn run(args: Args, launch: Launch) -> Result<ExitReport, String> {
     if let Some(confined) = confined {
         confined.drop_privileges().map_err(|e| e.to_string())?;
     }
-    match &restore {
-        Some(r) => boot_log.restore(&r.dir),
+    match &restored_from {
+        Some(dir) => boot_log.restore(dir),
         None => boot_log.boot(&config.kernel),
     }
     stop_on_signals(vmm.stop_handle(), Arc::clone(&seccomp))?;

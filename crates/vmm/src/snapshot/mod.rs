@@ -35,7 +35,7 @@ use crate::devices::virtio::mmio::persist::MmioTransportState;
 
 pub(crate) use legacy::LegacyHandles;
 pub use legacy::LegacyState;
-pub use restore::{jail_config, restore, restore_with_kvm, RestoreConfig};
+pub use restore::{load, restore, restore_with_kvm, LoadedSnapshot, RestoreConfig};
 pub(crate) use save::{pause_vcpus, resume_vcpus, save, SaveSources};
 pub use save::{SnapshotRequest, MEMORY_FILE, STATE_FILE, VCPU_ANSWER_TIMEOUT};
 

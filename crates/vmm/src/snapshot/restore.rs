@@ -56,12 +56,72 @@ pub fn restore(config: &RestoreConfig) -> Result<Vmm, Error> {
 /// [`Error::Device`], [`Error::Build`]. Nothing is left running and no file is created when it
 /// fails, except the vsock socket's which the failed build removes.
 pub fn restore_with_kvm(config: &RestoreConfig, kvm_path: &Path) -> Result<Vmm, Error> {
+    load(config)?.restore_with_kvm(kvm_path)
+}
+
+/// A snapshot's state file read and checked against its [`RestoreConfig`], not yet restored: a
+/// jailed VMM plans its jail from it ([`LoadedSnapshot::jail_config`]), then restores it, and
+/// reads (and digests, and parses) the state file once.
+#[derive(Debug)]
+pub struct LoadedSnapshot {
+    config: RestoreConfig,
+    snapshot: VmSnapshot,
+    vm_config: VmConfig,
+}
+
+/// Reads and checks the state file in `config.dir` (format, version, architecture, digest) and
+/// merges the saved configuration with `config`'s host-side paths.
+///
+/// # Errors
+/// [`Error::Format`] for a missing, truncated, corrupt or foreign state file,
+/// [`Error::Mismatch`].
+pub fn load(config: &RestoreConfig) -> Result<LoadedSnapshot, Error> {
+    let snapshot: VmSnapshot = format::read_file(&config.dir.join(STATE_FILE))?;
+    let vm_config = merge_config(&snapshot, config)?;
+    Ok(LoadedSnapshot {
+        config: config.clone(),
+        snapshot,
+        vm_config,
+    })
+}
+
+impl LoadedSnapshot {
+    /// The configuration a jail's mount plan is made from (`crate::jail::MountPlan::for_vm`):
+    /// the saved configuration with the caller's host-side paths, and the snapshot's `state`
+    /// and `memory` files as its kernel and initramfs, the files a restore reads (read-only) in
+    /// their place.
+    pub fn jail_config(&self) -> VmConfig {
+        let mut merged = self.vm_config.clone();
+        merged.kernel = self.config.dir.join(STATE_FILE);
+        merged.initrd = Some(self.config.dir.join(MEMORY_FILE));
+        merged
+    }
+
+    /// The snapshot directory.
+    pub fn dir(&self) -> &Path {
+        &self.config.dir
+    }
+
+    /// [`restore_with_kvm`] of this snapshot.
+    ///
+    /// # Errors
+    /// As [`restore_with_kvm`].
+    pub fn restore_with_kvm(self, kvm_path: &Path) -> Result<Vmm, Error> {
+        restore_loaded(self, kvm_path)
+    }
+}
+
+fn restore_loaded(loaded: LoadedSnapshot, kvm_path: &Path) -> Result<Vmm, Error> {
     let mut timeline = BootTimeline {
         build_started: Some(Instant::now()),
         ..Default::default()
     };
-    let snapshot: VmSnapshot = format::read_file(&config.dir.join(STATE_FILE))?;
-    let vm_config = merge_config(&snapshot, config)?;
+    let LoadedSnapshot {
+        config,
+        snapshot,
+        vm_config,
+    } = loaded;
+    let config = &config;
     check_counts(&snapshot, &vm_config)?;
     let kvm = KvmContext::open(kvm_path).map_err(|e| build_err(e.into()))?;
     check_vcpu_limit(&kvm, &snapshot)?;
@@ -96,21 +156,6 @@ pub fn restore_with_kvm(config: &RestoreConfig, kvm_path: &Path) -> Result<Vmm, 
             reason,
         })?;
     Ok(vmm)
-}
-
-/// The configuration a jail's mount plan is made from for the restore of `config`
-/// (`crate::jail::MountPlan::for_vm`): the saved configuration with the caller's host-side paths,
-/// and the snapshot's `state` and `memory` files as its kernel and initramfs, the files a restore
-/// reads (read-only) in their place.
-///
-/// # Errors
-/// [`Error::Format`] for a missing or bad state file, [`Error::Mismatch`].
-pub fn jail_config(config: &RestoreConfig) -> Result<VmConfig, Error> {
-    let snapshot: VmSnapshot = format::read_file(&config.dir.join(STATE_FILE))?;
-    let mut merged = merge_config(&snapshot, config)?;
-    merged.kernel = config.dir.join(STATE_FILE);
-    merged.initrd = Some(config.dir.join(MEMORY_FILE));
-    Ok(merged)
 }
 
 fn build_err(e: builder::Error) -> Error {
