@@ -130,10 +130,10 @@ impl Pool {
     }
 }
 
-/// The create request a clone is restored for: the template with its own sizes.
 /// How long a new clone's warm-up exec may take (`warm_up`).
 const WARM_UP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The create request a clone is restored for: the template with its own sizes.
 fn clone_request(template: &str) -> CreateSandbox {
     CreateSandbox {
         template: Some(template.to_owned()),
@@ -403,10 +403,11 @@ impl Manager {
         };
         pool.wake();
         let _lifecycle = entry.lifecycle.lock().await;
+        // The clone was restored as `bh-<id>`, its ID now the sandbox's.
         let hostname = spec
             .hostname
             .clone()
-            .unwrap_or_else(|| format!("bh-{}", entry.id));
+            .filter(|name| *name != format!("bh-{}", entry.id));
         let cgroup = member.record.cgroup.clone();
         // Planned already (the secrets were found then); read again for the proxy.
         let network = match plan::network_settings(&self.inner.config, spec, &entry.id) {
@@ -516,19 +517,22 @@ fn handed_out(clone: &Record, spec: &SandboxSpec, limits: &VmLimits, ttl_s: Opti
     }
 }
 
-/// What a handed-out clone becomes: its hostname, its network when its request has one, and
-/// the mounts and workspace of `shares` on its share slots `slots`.
+/// What a handed-out clone becomes: its hostname when its request names another one than the
+/// clone's `bh-<id>`, its network when its request has one, and the mounts and workspace of
+/// `shares` on its share slots `slots`.
 struct Identity {
-    hostname: String,
+    hostname: Option<String>,
     network: Option<EgressSettings>,
     shares: SandboxConfig,
     slots: ShareSlots,
 }
 
 /// Blocking: readies an idle clone for its sandbox: its VM must still run, its cgroup gets
-/// `limits`, its VMM the shared directories, its guest the hostname, fresh entropy, the
-/// host's clock, the shares to mount and, with a network, an egress proxy of its own (the
-/// agent starts its relay when told so).
+/// `limits`, its VMM the shared directories. Its guest has had fresh entropy, the host's clock
+/// and the hostname `bh-<id>` since its restore; only when `identity` changes something (a
+/// hostname, shares to mount, a network: an egress proxy of its own, whose relay the agent
+/// starts) is its agent told, with fresh entropy and the clock again. A hand-out without them
+/// makes no round trip to the guest.
 fn prepare(
     sandbox: &mut Sandbox,
     cgroup: Option<&CgroupSpec>,
@@ -543,7 +547,7 @@ fn prepare(
             .set_limits(limits)
             .map_err(|e| e.to_string())?;
     }
-    let mut request = bulkhead_sandbox::snapshot::restored_request(Some(identity.hostname))
+    let mut request = bulkhead_sandbox::snapshot::restored_request(identity.hostname)
         .map_err(|e| e.to_string())?;
     request.share_params = sandbox
         .attach_shares(&identity.shares, identity.slots)
@@ -553,6 +557,9 @@ fn prepare(
             .start_network(settings, HAND_OUT_TIMEOUT)
             .map_err(|e| e.to_string())?;
         request.egress = true;
+    }
+    if request.hostname.is_none() && request.share_params.is_empty() && !request.egress {
+        return Ok(());
     }
     sandbox
         .client()

@@ -91,7 +91,9 @@ vm_test!(
     /// A warm pool of one real clone: the create is a hand-out of the clone restored before it
     /// (the template's file is there, the request's hostname and environment apply), the pool
     /// refills, and shutdown leaves nothing. A create of the template with a network is a
-    /// hand-out too: the clone gets an egress proxy of its own and reaches what it allows.
+    /// hand-out too: the clone gets an egress proxy of its own and reaches what it allows. A
+    /// plain create (no hostname, network or shares: no round trip to the guest at the
+    /// hand-out) gets a clone whose hostname is `bh-<its id>`.
     fn a_real_pooled_clone_is_handed_out_with_the_templates_files_and_its_own_hostname() {
         // Arrange: template `base` (its guest wrote /tmp/x), a daemon keeping a clone of it, a
         // plain-HTTP test server on the test host's loopback for the networked clone.
@@ -114,6 +116,10 @@ vm_test!(
             ..bulkhead_client::CreateSandbox::default()
         };
         let fetch = format!("cat /tmp/x; wget -q -O - http://127.0.0.1:{port}/");
+        let plain = bulkhead_client::CreateSandbox {
+            template: Some("base".into()),
+            ..bulkhead_client::CreateSandbox::default()
+        };
 
         // Act
         let started = Instant::now();
@@ -126,7 +132,15 @@ vm_test!(
         let fetched = sh(&daemon, &with_network.id, &fetch);
         let log = rt.block_on(client.egress_log(&with_network.id)).unwrap();
         rt.block_on(client.delete(&with_network.id)).unwrap();
-        let vmms = vec![pooled.vmm_pid.unwrap(), with_network.vmm_pid.unwrap()];
+        let refilled_again = wait_until(Duration::from_secs(300), || pool_ready(&daemon, 1));
+        let plain = create(&daemon, &plain);
+        let plain_seen = sh(&daemon, &plain.id, "cat /tmp/x; hostname");
+        rt.block_on(client.delete(&plain.id)).unwrap();
+        let vmms = vec![
+            pooled.vmm_pid.unwrap(),
+            with_network.vmm_pid.unwrap(),
+            plain.vmm_pid.unwrap(),
+        ];
         let stopped = daemon.terminate();
 
         // Assert
@@ -147,7 +161,9 @@ vm_test!(
             daemon.log()
         );
         assert!(log.contains("\"allow\""), "{log}");
-        assert!(refilled, "{}", daemon.log());
+        assert!(refilled && refilled_again, "{}", daemon.log());
+        assert!(handed_out(&daemon, &plain.id), "{}", daemon.log());
+        assert_eq!(plain_seen, format!("42\nbh-{}\n", plain.id));
         assert!(stopped, "{}", daemon.log());
         assert_eq!(daemon.leftovers(&vmms), Vec::<String>::new());
     }
