@@ -113,3 +113,58 @@ guest_test!(
         );
     }
 );
+
+guest_test!(
+    /// Issue 29's restore phases: a bench of restores reports, per run, every phase but
+    /// `guest_init` (the clone's guest did not boot) in timeline order, from the VMM's start
+    /// (`create_to_vmm_start_ms`) to the VMM's end.
+    fn restores_of_a_template_report_their_phases_in_order_without_guest_init() {
+        // Arrange: a template in a data directory of the test's own.
+        let a = artifacts();
+        let data = tempfile::tempdir().unwrap();
+        let json = data.path().join("bench.json");
+        let created = a
+            .cli_command()
+            .args(["template", "create", "t", "--share-slots", "0"])
+            .env("BULKHEAD_DATA_DIR", data.path())
+            .output()
+            .expect("run bulkhead template create");
+        assert!(created.status.success(), "{}", describe(&created));
+
+        // Act
+        let out = a
+            .cli_command()
+            .args(["bench", "--runs", "2", "--template", "t", "--json"])
+            .arg(&json)
+            .env("BULKHEAD_DATA_DIR", data.path())
+            .output()
+            .expect("run bulkhead bench");
+
+        // Assert
+        assert!(out.status.success(), "{}", describe(&out));
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            table.contains("2 ok, 0 failed") && table.contains("kernel_entry → agent_ready"),
+            "{}",
+            describe(&out)
+        );
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("bench JSON")).expect("JSON");
+        for run in report["runs"].as_array().expect("runs") {
+            assert_eq!(run["ok"], true, "{run}");
+            assert!(run["phases_ms"]["guest_init"].is_null(), "{run}");
+            assert!(run["create_to_vmm_start_ms"].as_f64().is_some(), "{run}");
+            let mut previous = 0.0;
+            for phase in PHASES.iter().filter(|p| **p != "guest_init") {
+                let at = run["phases_ms"][phase]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("{phase} missing: {run}"));
+                assert!(
+                    at >= previous,
+                    "{phase} at {at} ms precedes {previous}: {run}"
+                );
+                previous = at;
+            }
+        }
+    }
+);

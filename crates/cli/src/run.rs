@@ -4,8 +4,7 @@
 use std::ffi::OsString;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bulkhead_protocol::client::{ExecEvent, ExecWriter, DEFAULT_TIMEOUT};
 use bulkhead_protocol::{ByteString, ExecRequest, ExitStatus};
@@ -226,7 +225,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let defaults = recipe.exec.clone().with_network(sandbox.egress_env());
     let request = exec_request(&args, &defaults);
     let patience = agent_patience(args.machine.boot_timeout);
-    let outcome = execute(&mut sandbox, &request, &router, patience, &OnceLock::new());
+    let outcome = execute(&mut sandbox, &request, &router, patience);
     let exported = match (&outcome, &export_to) {
         (Ok(Outcome::Exited(_)), Some(target)) => run_export::export(&sandbox, target),
         _ => Ok(()),
@@ -235,7 +234,7 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
     let status = outcome?;
     exported?;
     match destroyed {
-        Ok(timings) if args.timings => print_timings(&timings),
+        Ok(timings) if args.timings => print_timings(&timings, None),
         Ok(_) => {}
         Err(e) => eprintln!("bulkhead: warning: {e}"),
     }
@@ -245,15 +244,15 @@ pub fn run(args: RunArgs) -> Result<u8, String> {
 /// Runs `request` in `sandbox` as `bulkhead run` runs its command ([`run_command`]), then ends
 /// the routing of signals: the command's outcome, [`Outcome::GaveUpAfterSignal`] when the run
 /// gave up on the guest after a forwarded signal, or the error with how the VM ended. The
-/// arrival of the first output (or exit status) is recorded in `first_output`.
+/// arrival of the first output (or exit status) is the sandbox's `first_output` phase
+/// ([`Sandbox::mark_first_output`]).
 pub(crate) fn execute(
     sandbox: &mut Sandbox,
     request: &ExecRequest,
     router: &SignalRouter,
     patience: Duration,
-    first_output: &OnceLock<Instant>,
 ) -> Result<Outcome, String> {
-    let outcome = run_command(sandbox, request, router, patience, first_output);
+    let outcome = run_command(sandbox, request, router, patience);
     match (outcome, router.command_ended()) {
         (Err(_), Some(sig)) => Ok(Outcome::GaveUpAfterSignal(sig)),
         (outcome, _) => outcome.map_err(|e| explain_vm_end(sandbox, e)),
@@ -270,11 +269,16 @@ fn explain_vm_end(sandbox: &mut Sandbox, message: String) -> String {
     }
 }
 
-/// `--timings`: one line per phase on stderr, ms since the VMM process started.
-fn print_timings(t: &bulkhead_sandbox::Timings) {
+/// `--timings`: one line per phase on stderr, ms since the VMM process started; for a sandbox
+/// restored from `template`, its restore's phases (`bulkhead_sandbox::phases`: no `guest_init`).
+pub(crate) fn print_timings(t: &bulkhead_sandbox::Timings, template: Option<&str>) {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let what = match template {
+        Some(name) => format!("restored from template {name}: "),
+        None => String::new(),
+    };
     eprintln!(
-        "bulkhead: timings: spawn {:.1} ms, agent ready {:.1} ms (since the sandbox was created)",
+        "bulkhead: timings: {what}spawn {:.1} ms, agent ready {:.1} ms (since the sandbox was created)",
         ms(t.spawn),
         ms(t.ready)
     );
@@ -283,6 +287,9 @@ fn print_timings(t: &bulkhead_sandbox::Timings) {
         return;
     };
     for (name, at) in phases.named() {
+        if template.is_some() && name == "guest_init" {
+            continue;
+        }
         match at {
             Some(at) => eprintln!("bulkhead: phase {name:<13} {:>9.1} ms", ms(at)),
             None => eprintln!("bulkhead: phase {name:<13}         - (not reached)"),
@@ -612,7 +619,6 @@ fn run_command(
     request: &ExecRequest,
     router: &SignalRouter,
     patience: Duration,
-    first_output: &OnceLock<Instant>,
 ) -> Result<Outcome, String> {
     let session = sandbox
         .client()
@@ -641,7 +647,6 @@ fn run_command(
         }
         let event = event.map_err(|e| e.to_string())?;
         sandbox.mark_first_output();
-        first_output.get_or_init(Instant::now);
         match event {
             Some(ExecEvent::Stdout(bytes)) => {
                 let gone = write_out(&mut stdout, &bytes, &mut lost);

@@ -1,4 +1,4 @@
-//! Phase timestamps of a sandbox's cold start, all on one timeline: time since its
+//! Phase timestamps of a sandbox's cold start or restore, all on one timeline: time since its
 //! `bulkhead-vmm` process started, on the host's monotonic clock.
 //!
 //! | phase | source |
@@ -17,6 +17,17 @@
 //! is complete by the time the agent's `Ready` arrives: no waiting). The report carries the VMM's
 //! start as `CLOCK_MONOTONIC` nanoseconds, which places host moments of this process on the same
 //! timeline.
+//!
+//! A restore from a snapshot ([`crate::Sandbox::restore`]) has the same phases, but for
+//! `guest_init` (its guest booted when the template was made), and three of them mean the
+//! restore's steps:
+//!
+//! | phase | a restore's moment |
+//! |---|---|
+//! | `vm_created` | VMM: the state file is read and checked, the memory file mapped copy-on-write, `KVM_CREATE_VM` returned |
+//! | `memory_ready` | VMM: the devices and every vCPU's saved state are in KVM (the VM is whole, paused) |
+//! | `kernel_entry` | VMM: the vCPU threads start: the guest resumes where the snapshot paused it |
+//! | `agent_ready` | host: the agent acknowledged the restore (`Restored`: entropy, clock, hostname) |
 //!
 //! **`guest_init` is an approximation.** The guest has its own clock; the agent reports
 //! `CLOCK_BOOTTIME` at the start of its `main`. That clock starts near zero when the guest kernel
@@ -61,8 +72,9 @@ pub struct Phases {
     pub memory_ready: Duration,
     /// The vCPU threads start (kernel entry).
     pub kernel_entry: Duration,
-    /// The guest agent's `main` started (an estimate from the guest's clock).
-    pub guest_init: Duration,
+    /// The guest agent's `main` started (an estimate from the guest's clock); `None` for a
+    /// restore, whose guest did not boot.
+    pub guest_init: Option<Duration>,
     /// The host received the agent's readiness announcement.
     pub agent_ready: Duration,
     /// The first output (or exit status) of a command arrived, once
@@ -81,7 +93,7 @@ impl Phases {
             Some(self.vm_created),
             Some(self.memory_ready),
             Some(self.kernel_entry),
-            Some(self.guest_init),
+            self.guest_init,
             Some(self.agent_ready),
             self.first_output,
             self.vm_destroyed,
@@ -114,8 +126,28 @@ impl Phases {
             vm_created: ms(t.vm_created)?,
             memory_ready: ms(t.payload_loaded)?,
             kernel_entry,
-            guest_init,
+            guest_init: Some(guest_init),
             agent_ready,
+            first_output: None,
+            vm_destroyed: None,
+        })
+    }
+
+    /// Builds a restore's phases from the VMM's report and the moment the agent acknowledged
+    /// the restore (see the module docs). `None` when the report lacks a VMM phase.
+    pub(crate) fn from_restore_report(
+        report: &TimingsReport,
+        clock: &PhaseClock,
+        acknowledged_at: Instant,
+    ) -> Option<Phases> {
+        let ms = |v: Option<f64>| v.and_then(|ms| Duration::try_from_secs_f64(ms / 1e3).ok());
+        let t = &report.timeline;
+        Some(Phases {
+            vm_created: ms(t.vm_created)?,
+            memory_ready: ms(t.payload_loaded)?,
+            kernel_entry: ms(t.vcpus_started)?,
+            guest_init: None,
+            agent_ready: clock.offset(acknowledged_at),
             first_output: None,
             vm_destroyed: None,
         })
@@ -152,6 +184,25 @@ pub(crate) fn read(
     ready: &Ready,
     ready_at: Instant,
 ) -> (Option<PhaseClock>, Option<Phases>) {
+    read_with(report, |report, clock| {
+        Phases::from_report(report, clock, ready, ready_at)
+    })
+}
+
+/// [`read`] for a restore whose agent acknowledged it at `acknowledged_at`.
+pub(crate) fn read_restored(
+    report: &Path,
+    acknowledged_at: Instant,
+) -> (Option<PhaseClock>, Option<Phases>) {
+    read_with(report, |report, clock| {
+        Phases::from_restore_report(report, clock, acknowledged_at)
+    })
+}
+
+fn read_with(
+    report: &Path,
+    phases: impl FnOnce(&TimingsReport, &PhaseClock) -> Option<Phases>,
+) -> (Option<PhaseClock>, Option<Phases>) {
     let report = match TimingsReport::read(report) {
         Ok(report) => report,
         Err(e) => {
@@ -160,7 +211,7 @@ pub(crate) fn read(
         }
     };
     let clock = PhaseClock::from_monotonic(report.origin_monotonic_ns);
-    let phases = clock.and_then(|c| Phases::from_report(&report, &c, ready, ready_at));
+    let phases = clock.and_then(|c| phases(&report, &c));
     (clock, phases)
 }
 
@@ -248,7 +299,10 @@ mod tests {
         assert!(close(p.vm_created, Duration::from_millis(2)), "{p:?}");
         assert!(close(p.memory_ready, Duration::from_millis(5)), "{p:?}");
         assert!(close(p.kernel_entry, Duration::from_millis(10)), "{p:?}");
-        assert!(close(p.guest_init, Duration::from_millis(50)), "{p:?}");
+        assert!(
+            close(p.guest_init.unwrap(), Duration::from_millis(50)),
+            "{p:?}"
+        );
         assert!(p.agent_ready >= Duration::from_millis(100), "{p:?}");
         let names: Vec<_> = p.named().iter().map(|(n, _)| *n).collect();
         assert_eq!(names, PHASE_NAMES);
@@ -268,7 +322,7 @@ mod tests {
         let p = Phases::from_report(&report(origin), &clock, &ready(500), received).unwrap();
 
         // Assert
-        assert_eq!(p.guest_init, p.agent_ready);
+        assert_eq!(p.guest_init, Some(p.agent_ready));
     }
 
     #[test]
@@ -281,6 +335,27 @@ mod tests {
         let phases = Phases::from_report(&r, &clock, &ready(1), Instant::now());
 
         assert_eq!(phases, None);
+    }
+
+    #[test]
+    fn a_restores_phases_are_the_vmms_restore_steps_and_the_acknowledgement_without_guest_init() {
+        // Arrange: the VMM "started" 100 ms ago; its report has the restore's steps.
+        let origin = ProcessClock {
+            instant: Instant::now() - Duration::from_millis(100),
+            monotonic_ns: monotonic_ns() - 100_000_000,
+        };
+        let clock = PhaseClock::from_monotonic(origin.monotonic_ns).unwrap();
+
+        // Act
+        let p = Phases::from_restore_report(&report(origin), &clock, Instant::now()).unwrap();
+
+        // Assert
+        assert!(close(p.vm_created, Duration::from_millis(2)), "{p:?}");
+        assert!(close(p.memory_ready, Duration::from_millis(5)), "{p:?}");
+        assert!(close(p.kernel_entry, Duration::from_millis(10)), "{p:?}");
+        assert_eq!(p.guest_init, None);
+        assert!(p.agent_ready >= Duration::from_millis(100), "{p:?}");
+        assert_eq!(p.named()[4], ("guest_init", None));
     }
 
     #[test]

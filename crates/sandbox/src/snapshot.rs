@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::egress::{self, install_egress_ca, start_egress};
 use crate::jail::{self, Jail};
-use crate::phases::Timings;
+use crate::phases::{self, Timings, REPORT_FILE};
 use crate::process::{self, SpawnOptions};
 use crate::sandbox::{
     api_sock_args, log_or_explanation, make_runtime_dir, tail_lines, Error, Sandbox, SandboxConfig,
@@ -261,6 +261,7 @@ impl Sandbox {
         let uds_path = runtime.path().join("vm.sock");
         let log_path = runtime.path().join("vmm.log");
         let exit_path = runtime.path().join(EXIT_FILE);
+        let report_path = runtime.path().join(REPORT_FILE);
         jail::make_vmm_dir(runtime.path())?;
         let jail_args = match jail::active(config.jail) {
             true => {
@@ -282,7 +283,7 @@ impl Sandbox {
         let options = SpawnOptions {
             kill_on_parent_exit: config.kill_on_parent_exit,
             cgroup_procs: &config.cgroup_procs,
-            timings_json: None,
+            timings_json: Some(&report_path),
             exit_file: Some(&exit_path),
             extra_args: &jail_args,
         };
@@ -314,7 +315,12 @@ impl Sandbox {
         sandbox.tell_restored(config, &attached.params)?;
         let client = AgentClient::hybrid(&sandbox.uds_path).with_timeout(config.ready_timeout);
         install_egress_ca(&client, sandbox.egress.as_ref())?;
-        sandbox.timings.ready = started.elapsed();
+        let ready_at = Instant::now();
+        let (clock, phases) = phases::read_restored(&report_path, ready_at);
+        sandbox.timings.ready = ready_at - started;
+        sandbox.timings.vmm_start = clock.map(|c| c.origin().saturating_duration_since(started));
+        sandbox.timings.phases = phases;
+        sandbox.clock = clock;
         Ok(sandbox)
     }
 

@@ -20,23 +20,32 @@ pub struct Ratio {
     pub ratio: Option<f64>,
 }
 
-/// Every compared quantity of `a` and `b`: the phases (ms since VMM start; `vmm_start`, zero by
-/// definition, is left out), the steps, create → agent ready, the end-to-end time and the
-/// memory overhead. A result of restores from a template has no phases or steps (`-`), so a
-/// cold start and a restore compare by the last three.
+/// Every compared quantity of `a` and `b`, matched by name: the phases (ms since VMM start;
+/// `vmm_start`, zero by definition, is left out), the steps, create → agent ready, the
+/// end-to-end time and the memory overhead; `a`'s in its order, then those only `b` has. What
+/// one side lacks is `-`: a restore has no `guest_init` (so neither step to or from it, but
+/// `kernel_entry → agent_ready`), a result of creates through the daemon no phases or steps,
+/// and a restore file of an older bulkhead none either.
 pub fn ratios(a: &BenchReport, b: &BenchReport) -> Vec<Ratio> {
-    compared(a)
+    let (a, b) = (compared(a), compared(b));
+    let only_b = b
+        .iter()
+        .filter(|sb| !a.iter().any(|sa| sa.label == sb.label));
+    let labels: Vec<&str> = a.iter().chain(only_b).map(|s| s.label.as_str()).collect();
+    let p50 = |side: &[Series], label: &str| {
+        let series = side.iter().find(|s| s.label == label)?;
+        summarize(&series.values).map(|s| s.p50)
+    };
+    labels
         .into_iter()
-        .zip(compared(b))
-        .map(|(sa, sb)| {
-            let a_p50 = summarize(&sa.values).map(|s| s.p50);
-            let b_p50 = summarize(&sb.values).map(|s| s.p50);
+        .map(|label| {
+            let (a_p50, b_p50) = (p50(&a, label), p50(&b, label));
             let ratio = match (a_p50, b_p50) {
                 (Some(a), Some(b)) if a > 0.0 => Some(b / a),
                 _ => None,
             };
             Ratio {
-                label: sa.label,
+                label: label.to_owned(),
                 a_p50,
                 b_p50,
                 ratio,

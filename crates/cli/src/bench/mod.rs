@@ -330,7 +330,7 @@ fn finish(report: &BenchReport, args: &BenchArgs) -> Result<ExitCode, String> {
             report.config.mode
         );
         let series = match report.has_phases() {
-            false => report.restore_series(),
+            false => report.daemon_series(),
             true => report.step_series(),
         };
         plot::write_svg(path, &title, &series)

@@ -206,13 +206,17 @@ impl PhasesMs {
         named
     }
 
-    /// Checks that every phase is present and none comes before the one listed ahead of it.
+    /// Checks that every phase is present and none comes before the one listed ahead of it;
+    /// for a `restored` run, every phase but `guest_init` (its guest did not boot).
     ///
     /// # Errors
     /// A message naming the first missing phase or the first pair out of order.
-    pub fn check_complete_and_monotonic(&self) -> Result<(), String> {
+    pub fn check_complete_and_monotonic(&self, restored: bool) -> Result<(), String> {
         let mut previous: Option<(&str, f64)> = None;
         for (name, value) in self.named() {
+            if restored && name == "guest_init" {
+                continue;
+            }
             let value = value.ok_or_else(|| format!("phase {name} missing"))?;
             if let Some((before, at)) = previous {
                 if value < at {
@@ -263,10 +267,23 @@ impl BenchReport {
         }
     }
 
-    /// Whether the runs have boot phases: cold starts run by the bench itself (a restore has
-    /// none, and the daemon's VMMs report theirs to the daemon).
+    /// Whether the runs have phases: cold starts and restores run by the bench itself (the
+    /// daemon's VMMs report theirs to the daemon).
     pub fn has_phases(&self) -> bool {
-        self.config.template.is_none() && self.config.daemon.is_none()
+        self.config.daemon.is_none()
+    }
+
+    /// Whether the runs were restores from a template, whose phases have no `guest_init`.
+    pub fn restored(&self) -> bool {
+        self.config.template.is_some()
+    }
+
+    /// The phases this result's runs have, in timeline order: [`PHASE_NAMES`] without
+    /// `guest_init` for restores.
+    fn phase_indices(&self) -> Vec<usize> {
+        (0..PHASE_NAMES.len())
+            .filter(|&i| !(self.restored() && PHASE_NAMES[i] == "guest_init"))
+            .collect()
     }
 
     /// Failed runs.
@@ -276,11 +293,11 @@ impl BenchReport {
 
     /// Time to reach each phase (ms since VMM start), then the end-to-end time.
     pub fn phase_series(&self) -> Vec<Series> {
-        let mut series: Vec<Series> = PHASE_NAMES
-            .iter()
-            .enumerate()
-            .map(|(i, name)| Series {
-                label: (*name).to_owned(),
+        let mut series: Vec<Series> = self
+            .phase_indices()
+            .into_iter()
+            .map(|i| Series {
+                label: PHASE_NAMES[i].to_owned(),
                 values: self
                     .ok_runs()
                     .filter_map(|r| r.phases_ms.named()[i].1)
@@ -291,7 +308,8 @@ impl BenchReport {
         series
     }
 
-    /// Duration of each step between consecutive phases (`create → vmm_start` first), then the
+    /// Duration of each step between consecutive phases (`create → vmm_start` first; a
+    /// restore's `kernel_entry → agent_ready` spans the missing `guest_init`), then the
     /// end-to-end time.
     pub fn step_series(&self) -> Vec<Series> {
         let mut series = vec![Series {
@@ -301,14 +319,16 @@ impl BenchReport {
                 .filter_map(|r| r.create_to_vmm_start_ms)
                 .collect(),
         }];
-        for i in 1..PHASE_NAMES.len() {
+        let indices = self.phase_indices();
+        for pair in indices.windows(2) {
+            let (from, to) = (pair[0], pair[1]);
             series.push(Series {
-                label: format!("{} → {}", PHASE_NAMES[i - 1], PHASE_NAMES[i]),
+                label: format!("{} → {}", PHASE_NAMES[from], PHASE_NAMES[to]),
                 values: self
                     .ok_runs()
                     .filter_map(|r| {
                         let named = r.phases_ms.named();
-                        Some(named[i].1? - named[i - 1].1?)
+                        Some(named[to].1? - named[from].1?)
                     })
                     .collect(),
             });
@@ -328,9 +348,9 @@ impl BenchReport {
         }
     }
 
-    /// The series that a result of restores has values for (restores have no phases): create →
-    /// agent ready, then the end-to-end time.
-    pub fn restore_series(&self) -> Vec<Series> {
+    /// The series that a result of creates through the daemon has values for (it has no
+    /// phases): create → agent ready, then the end-to-end time.
+    pub fn daemon_series(&self) -> Vec<Series> {
         vec![self.ready_series(), self.end_to_end()]
     }
 
@@ -599,7 +619,10 @@ pub(crate) mod tests {
 
     #[test]
     fn complete_increasing_phases_pass_the_check() {
-        assert_eq!(run(0, 1.0).phases_ms.check_complete_and_monotonic(), Ok(()));
+        assert_eq!(
+            run(0, 1.0).phases_ms.check_complete_and_monotonic(false),
+            Ok(())
+        );
     }
 
     #[test]
@@ -607,7 +630,7 @@ pub(crate) mod tests {
         let mut r = run(0, 1.0);
         r.phases_ms.guest_init = Some(2.5);
 
-        let err = r.phases_ms.check_complete_and_monotonic().unwrap_err();
+        let err = r.phases_ms.check_complete_and_monotonic(false).unwrap_err();
 
         assert!(
             err.contains("guest_init") && err.contains("kernel_entry"),
@@ -620,7 +643,7 @@ pub(crate) mod tests {
         let mut r = run(0, 1.0);
         r.phases_ms.vm_destroyed = None;
 
-        let err = r.phases_ms.check_complete_and_monotonic().unwrap_err();
+        let err = r.phases_ms.check_complete_and_monotonic(false).unwrap_err();
 
         assert!(err.contains("vm_destroyed"), "{err}");
     }

@@ -5,7 +5,7 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Barrier, Condvar, Mutex, OnceLock};
+use std::sync::{Barrier, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bulkhead_protocol::client::ExecEvent;
@@ -161,7 +161,6 @@ impl ColdStart<'_> {
     /// Runs cold start number `index`. Never fails: a failure is a record with `ok: false`.
     pub fn run(&self, index: usize) -> RunRecord {
         let mut record = RunRecord::unmeasured(index);
-        let created = Instant::now();
         let started = match self.restore_from {
             Some(dir) => Sandbox::restore(self.config, dir),
             None => Sandbox::start_with(self.config, self.storage),
@@ -175,13 +174,7 @@ impl ColdStart<'_> {
                 return record;
             }
         };
-        let first_output = OnceLock::new();
-        let exited = run_command(
-            &sandbox,
-            self.request,
-            self.config.ready_timeout,
-            &first_output,
-        );
+        let exited = run_command(&sandbox, self.request, self.config.ready_timeout);
         let memory = self.sample_memory(&sandbox);
         // Before destroying (the log goes with the runtime directory), and only when the command
         // did not succeed: a good run's teardown, measured as `vm_destroyed`, reads nothing.
@@ -191,13 +184,7 @@ impl ColdStart<'_> {
         };
         let destroyed = sandbox.destroy_timed();
         if let Ok(timings) = &destroyed {
-            match self.restore_from {
-                Some(_) => {
-                    let e2e = first_output.get().map(|at| at.duration_since(created));
-                    fill_restore_timings(&mut record, timings, e2e);
-                }
-                None => fill_timings(&mut record, timings),
-            }
+            fill_timings(&mut record, timings);
         }
         record.memory = memory.as_ref().ok().copied();
         record.exit_code = exited.as_ref().ok().copied();
@@ -206,9 +193,10 @@ impl ColdStart<'_> {
             (Ok(code), _, _) if code != 0 => Some(format!("the command exited {code}")),
             (_, Err(e), _) => Some(format!("destroying the sandbox: {e}")),
             (_, _, Err(e)) => Some(format!("memory sample: {e}")),
-            // A restore has no phases to check.
-            _ if self.restore_from.is_some() => None,
-            _ => record.phases_ms.check_complete_and_monotonic().err(),
+            _ => record
+                .phases_ms
+                .check_complete_and_monotonic(self.restore_from.is_some())
+                .err(),
         };
         record.ok = record.error.is_none();
         if !record.ok {
@@ -251,7 +239,6 @@ fn run_command(
     sandbox: &Sandbox,
     request: &ExecRequest,
     patience: Duration,
-    first_output: &OnceLock<Instant>,
 ) -> Result<i32, String> {
     let (_writer, mut reader) = sandbox
         .client()
@@ -267,8 +254,6 @@ fn run_command(
     loop {
         let event = reader.next_event().map_err(|e| format!("exec: {e}"))?;
         sandbox.mark_first_output();
-        // A restored sandbox has no phase clock: its first output is timed here.
-        first_output.get_or_init(Instant::now);
         match event {
             Some(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)) => {}
             Some(ExecEvent::Exit(status)) => return Ok(status.shell_code().unwrap_or(-1)),
@@ -280,13 +265,6 @@ fn run_command(
 /// Milliseconds of `d`.
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// The times of a restored run: create (the restore began) → agent ready, and →
-/// `first_output`; a restore has no boot phases, so nothing else.
-fn fill_restore_timings(record: &mut RunRecord, timings: &Timings, first_output: Option<Duration>) {
-    record.create_to_ready_ms = Some(ms(timings.ready));
-    record.create_to_first_output_ms = first_output.map(ms);
 }
 
 fn fill_timings(record: &mut RunRecord, timings: &Timings) {
@@ -395,25 +373,40 @@ mod tests {
     }
 
     #[test]
-    fn a_restore_records_ready_and_first_output_times_without_phases() {
-        // Arrange: a restore's timings, which have no phases
+    fn a_restore_records_its_phases_without_guest_init_and_its_end_to_end_time() {
+        // Arrange: a restore's timings: its VMM started 3 ms after the create, no guest_init.
+        let ms = Duration::from_millis;
         let timings = Timings {
-            spawn: Duration::from_millis(2),
-            ready: Duration::from_millis(30),
-            vmm_start: None,
-            phases: None,
+            spawn: ms(2),
+            ready: ms(30),
+            vmm_start: Some(ms(3)),
+            phases: Some(bulkhead_sandbox::Phases {
+                vm_created: ms(10),
+                memory_ready: ms(15),
+                kernel_entry: ms(18),
+                guest_init: None,
+                agent_ready: ms(27),
+                first_output: Some(ms(42)),
+                vm_destroyed: Some(ms(50)),
+            }),
         };
         let mut record = empty_record();
 
         // Act
-        fill_restore_timings(&mut record, &timings, Some(Duration::from_millis(45)));
+        fill_timings(&mut record, &timings);
 
         // Assert
         assert_eq!(record.create_to_ready_ms, Some(30.0));
         assert_eq!(record.create_to_first_output_ms, Some(45.0));
-        assert_eq!(record.create_to_vmm_start_ms, None);
-        assert_eq!(record.phases_ms, PhasesMs::default());
-        assert_eq!(record.error, None, "no phases is no failure for a restore");
+        assert_eq!(record.create_to_vmm_start_ms, Some(3.0));
+        assert_eq!(record.phases_ms.kernel_entry, Some(18.0));
+        assert_eq!(record.phases_ms.guest_init, None);
+        assert_eq!(record.error, None);
+        assert_eq!(record.phases_ms.check_complete_and_monotonic(true), Ok(()));
+        assert!(record
+            .phases_ms
+            .check_complete_and_monotonic(false)
+            .is_err());
     }
 
     #[test]

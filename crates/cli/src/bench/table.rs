@@ -6,6 +6,9 @@ use std::fmt::Write;
 use super::report::{BenchReport, Series};
 use super::stats::summarize;
 
+/// What a restore's phases mean (`bulkhead_sandbox::phases`).
+const RESTORE_PHASES: &str = "(restored from a snapshot: vm_created = state read, memory mapped, VM created; memory_ready = devices and vCPUs restored; kernel_entry = vCPUs resumed; agent_ready = the agent acknowledged the restore)\n";
+
 /// Width of the label column.
 const LABEL: usize = 36;
 
@@ -36,12 +39,16 @@ pub fn render(report: &BenchReport) -> String {
                 "(through the daemon at {}: the create's answer, then one exec)",
                 socket.display()
             );
-            out.push_str(&table("create (ms)", &report.restore_series()));
+            out.push_str(&table("create (ms)", &report.daemon_series()));
             return out + &failures(report);
         }
         (Some(_), None) => {
-            out.push_str("(restored from a snapshot: no boot phases)\n");
-            out.push_str(&table("restore (ms)", &report.restore_series()));
+            out.push_str(RESTORE_PHASES);
+            out.push_str(&table("phase (ms since VMM start)", &report.phase_series()));
+            out.push('\n');
+            let mut steps = report.step_series();
+            steps.insert(steps.len() - 1, report.ready_series());
+            out.push_str(&table("step (ms)", &steps));
         }
         (None, None) => {
             out.push_str(&table("phase (ms since VMM start)", &report.phase_series()));
@@ -168,11 +175,10 @@ mod tests {
     }
 
     #[test]
-    fn a_report_of_restores_shows_ready_and_end_to_end_times_instead_of_phases() {
-        // Arrange: restores have no phases, only host-side times.
+    fn a_report_of_restores_shows_the_restores_phases_without_guest_init() {
+        // Arrange: a restore has every phase but guest_init.
         let mut restored = run(0, 10.0);
-        restored.phases_ms = Default::default();
-        restored.create_to_vmm_start_ms = None;
+        restored.phases_ms.guest_init = None;
         let mut r = report(vec![restored]);
         r.config.template = Some("py".into());
 
@@ -184,11 +190,13 @@ mod tests {
             text.contains("1 restores of template py running `true`"),
             "{text}"
         );
-        assert!(!text.contains("kernel_entry"), "{text}");
+        assert!(text.contains("kernel_entry = vCPUs resumed"), "{text}");
+        assert!(!text.contains("guest_init"), "{text}");
         let row = |label: &str| {
             let line = text.lines().find(|l| l.starts_with(label)).unwrap();
             line.split_whitespace().rev().nth(4).unwrap().to_owned()
         };
+        assert_eq!(row("kernel_entry → agent_ready"), "20.0", "{text}");
         assert_eq!(row("create → agent ready"), "60.0", "{text}");
         assert_eq!(row("end to end: create → first_output"), "70.0", "{text}");
     }

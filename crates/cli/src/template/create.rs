@@ -3,7 +3,6 @@
 //! and snapshot it into the template store once the command has exited 0.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::{Instant, SystemTime};
 
 use bulkhead_image::manifest::rfc3339_utc;
@@ -90,7 +89,7 @@ pub fn create(store: &TemplateStore, args: &CreateArgs) -> Result<u8, String> {
     if !args.prepare.is_empty() {
         let request = prepare_request(&recipe, &args.prepare);
         let patience = run::agent_patience(args.machine.boot_timeout);
-        let outcome = run::execute(&mut sandbox, &request, &router, patience, &OnceLock::new());
+        let outcome = run::execute(&mut sandbox, &request, &router, patience);
         let code = outcome.map(|o| run::outcome_code(&o));
         if code != Ok(0) {
             let _ = sandbox.destroy();

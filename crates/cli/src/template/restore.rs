@@ -7,12 +7,9 @@
 //! (an egress proxy of its own); its root filesystem image, if any, is the template's. It cannot
 //! yet give it disks or another image.
 
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
-
 use bulkhead_sandbox::spec::{egress_settings, limits_of, new_id, resolve_shares};
 use bulkhead_sandbox::{
-    ExecDefaults, HostSettings, Recipe, Sandbox, SandboxConfig, SandboxSpec, Storage, Timings,
+    ExecDefaults, HostSettings, Recipe, Sandbox, SandboxConfig, SandboxSpec, Storage,
 };
 
 use super::store::{Template, TemplateManifest, TemplateStore};
@@ -51,7 +48,6 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
     let _cgroup = limits::apply(&mut recipe)?;
     let ports = run::publish::bind(&args.publish)?;
     let router = SignalRouter::install(run_dir.path().to_owned())?;
-    let created = Instant::now();
     let mut sandbox = match Sandbox::restore(&recipe.config, &template.dir) {
         Ok(sandbox) => sandbox,
         Err(e) => {
@@ -70,8 +66,7 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
     let defaults = recipe.exec.clone().with_network(sandbox.egress_env());
     let request = run::exec_request(args, &defaults);
     let patience = run::agent_patience(args.machine.boot_timeout);
-    let first_output = OnceLock::new();
-    let outcome = run::execute(&mut sandbox, &request, &router, patience, &first_output);
+    let outcome = run::execute(&mut sandbox, &request, &router, patience);
     let exported = match (&outcome, &export_to) {
         (Ok(run::Outcome::Exited(_)), Some(target)) => crate::run_export::export(&sandbox, target),
         _ => Ok(()),
@@ -80,10 +75,7 @@ pub fn run(args: &RunArgs, name: &str) -> Result<u8, String> {
     let status = outcome?;
     exported?;
     match destroyed {
-        Ok(timings) if args.timings => {
-            let e2e = first_output.get().map(|at| at.duration_since(created));
-            print_timings(name, &timings, e2e);
-        }
+        Ok(timings) if args.timings => run::print_timings(&timings, Some(name)),
         Ok(_) => {}
         Err(e) => eprintln!("bulkhead: warning: {e}"),
     }
@@ -158,19 +150,4 @@ pub fn restore_recipe(
         limits: limits_of(spec, host),
         requested_limits: spec.limits,
     })
-}
-
-/// `--timings` of a restored run: host-side durations since the restore began (a restore has
-/// no boot phases).
-fn print_timings(name: &str, t: &Timings, first_output: Option<Duration>) {
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    eprintln!(
-        "bulkhead: timings: restored from template {name}: spawn {:.1} ms, agent ready {:.1} ms \
-         (since the restore began; no boot phases)",
-        ms(t.spawn),
-        ms(t.ready)
-    );
-    if let Some(e2e) = first_output {
-        eprintln!("bulkhead: create → first output {:.1} ms", ms(e2e));
-    }
 }
