@@ -25,7 +25,7 @@ pub struct Ratio {
 /// end-to-end time and the memory overhead; `a`'s in its order, then those only `b` has. What
 /// one side lacks is `-`: a restore has no `guest_init` (so neither step to or from it, but
 /// `kernel_entry → agent_ready`), a result of creates through the daemon no phases or steps,
-/// and a restore file of an older bulkhead none either.
+/// and a restore file of an older bulkhead none either. What neither side has is left out.
 pub fn ratios(a: &BenchReport, b: &BenchReport) -> Vec<Ratio> {
     let (a, b) = (compared(a), compared(b));
     let only_b = b
@@ -51,6 +51,7 @@ pub fn ratios(a: &BenchReport, b: &BenchReport) -> Vec<Ratio> {
                 ratio,
             }
         })
+        .filter(|r| r.a_p50.is_some() || r.b_p50.is_some())
         .collect()
 }
 
@@ -153,6 +154,31 @@ mod tests {
         assert_eq!(ratio_of("guest_init"), None);
         let guest_init = text.lines().find(|l| l.starts_with("guest_init")).unwrap();
         assert!(guest_init.ends_with('-'), "{text}");
+    }
+
+    #[test]
+    fn results_through_the_daemon_compare_only_what_they_measured() {
+        // Arrange: runs through the daemon have no phases and no memory sample.
+        let through_daemon = |scale: f64| {
+            let mut r = run(0, scale);
+            r.phases_ms = Default::default();
+            r.create_to_vmm_start_ms = None;
+            r.memory = None;
+            let mut report = report(vec![r]);
+            report.config.daemon = Some("/run/d.sock".into());
+            report
+        };
+
+        // Act
+        let ratios = ratios(&through_daemon(10.0), &through_daemon(1.0));
+
+        // Assert
+        let labels: Vec<&str> = ratios.iter().map(|r| r.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["create → agent ready", "end to end: create → first_output"]
+        );
+        assert_eq!(ratios[1].ratio, Some(0.1));
     }
 
     #[test]
