@@ -3,7 +3,7 @@
 //! plot ([`plot`]); `--compare A.json B.json` sets two results side by side ([`compare`]).
 //!
 //! Every run boots a fresh sandbox (with `--template NAME`: restores a clone of the template
-//! instead, which has no boot phases), runs the command, waits for its first output (or exit
+//! instead, timed by the restore's phases), runs the command, waits for its first output (or exit
 //! status) and its exit, samples the VMM's memory ([`rss`]) and destroys the sandbox.
 //! With `--daemon` every run goes through `bulkheadd`'s API instead ([`daemon`]): create (cold,
 //! from a template, or handed out by its warm pool), one exec, delete.

@@ -24,11 +24,10 @@
 //!
 //! `phases_ms` values are ms since the run's VMM process started (host monotonic clock; see
 //! `bulkhead_sandbox::phases`); a phase not reached is `null`. A run restored from a template
-//! (`config.template`) has no boot phases: its `phases_ms` and `create_to_vmm_start_ms` are
-//! `null`, and `create_to_ready_ms` (the restore, up to the agent's answer) and
-//! `create_to_first_output_ms` are what it measures, the same fields as a cold start's. So has
-//! a run through the daemon (`config.daemon`, its socket): `create_to_ready_ms` is the create
-//! request's answer, and its `memory` is `null`. A failed run (`ok: false`) has
+//! (`config.template`) has the restore's phases, with `guest_init` always `null` (its guest did
+//! not boot; files written before restores had phases have every phase and
+//! `create_to_vmm_start_ms` `null`). A run through the daemon (`config.daemon`, its socket) has
+//! no phases: `create_to_ready_ms` is the create request's answer, and its `memory` is `null`. A failed run (`ok: false`) has
 //! its reason in `error` and whatever phases it reached. `memory` is sampled after the
 //! command's exit status arrived, before the VM is destroyed (see `rss`); `null` when it could
 //! not be read. Readers must ignore unknown fields; a new field keeps the schema name, a
