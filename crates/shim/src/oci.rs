@@ -179,16 +179,30 @@ fn memory_mib(limit_bytes: Option<i64>) -> u32 {
         return DEFAULT_MEMORY_MIB;
     };
     let mib = (bytes as u64).div_ceil(1 << 20);
-    u32::try_from(mib)
+    let sized = u32::try_from(mib)
         .unwrap_or(MAX_MEMORY_MIB)
-        .clamp(MIN_MEMORY_MIB, MAX_MEMORY_MIB)
+        .clamp(MIN_MEMORY_MIB, MAX_MEMORY_MIB);
+    if u64::from(sized) != mib {
+        tracing::warn!(
+            "a memory limit of {mib} MiB is outside a pod VM's {MIN_MEMORY_MIB}-{MAX_MEMORY_MIB} MiB: \
+             its guest gets {sized} MiB"
+        );
+    }
+    sized
 }
 
 fn vcpus(quota: Option<i64>, period: Option<i64>) -> u8 {
     match (quota.filter(|&q| q > 0), period.filter(|&p| p > 0)) {
         (Some(q), Some(p)) => {
             let n = (q as u64).div_ceil(p as u64);
-            u8::try_from(n).unwrap_or(MAX_VCPUS).clamp(1, MAX_VCPUS)
+            let sized = u8::try_from(n).unwrap_or(MAX_VCPUS).clamp(1, MAX_VCPUS);
+            if u64::from(sized) != n {
+                tracing::warn!(
+                    "a CPU quota of {n} CPUs is more than a pod VM's {MAX_VCPUS} vCPUs: it gets \
+                     {sized}"
+                );
+            }
+            sized
         }
         _ => 1,
     }
