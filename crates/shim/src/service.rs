@@ -338,13 +338,8 @@ impl<B: Backend> TaskService<B> {
         self.tasks().init_pid(container).unwrap_or(0)
     }
 
-    /// `Shutdown`: whether the shim may exit now, which it may once it has no containers left
-    /// (one shim serves every container of a pod).
-    pub fn may_shut_down(&self) -> bool {
-        self.tasks().is_empty()
-    }
-
-    /// `Shutdown`: whether the shim may exit. A container containerd has (a finished create)
+    /// `Shutdown`: whether the shim may exit, which it may once it has no containers left (one
+    /// shim serves every container of a pod): a container containerd has (a finished create)
     /// keeps it. Creates still in the backend were given up by containerd (it shuts a shim down
     /// after a failed or cancelled create, e.g. `ctr run` killed, a kubelet deadline): their
     /// reservations go, and this waits until each has undone what the backend made for it.
@@ -354,7 +349,7 @@ impl<B: Backend> TaskService<B> {
         }
         let mut creating = self.inner.creating.subscribe();
         let _ = creating.wait_for(|n| *n == 0).await;
-        self.may_shut_down()
+        self.tasks().is_empty()
     }
 
     /// Publishes `TaskOOM` for a container (what a process's [`Ended::oom_killed`] becomes).

@@ -404,7 +404,6 @@ impl VmBackend {
     }
 }
 
-/// Removes a pod's cgroup (logging a failure: the container's delete goes on).
 /// What a pod's boot made before its VM ran, undone when dropped unless kept.
 struct Undo {
     roots: Option<PodRoots>,
@@ -436,6 +435,7 @@ impl Drop for Undo {
     }
 }
 
+/// Removes a pod's cgroup (logging a failure: the container's delete goes on).
 fn remove_cgroup(cgroup: Option<&VmCgroup>) {
     if let Some(Err(e)) = cgroup.map(VmCgroup::remove) {
         tracing::warn!("{e}");
