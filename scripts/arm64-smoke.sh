@@ -706,10 +706,11 @@ if [ "$status" = 0 ] && [ "$first_ok" = yes ] && [ "$exec_ok" = yes ] &&
     [ "$(line 3)" = "kill: STOPPED" ] && [ "${mem_kib:-0}" -ge 40960 ] && [ "$mem_kib" -le 65536 ] &&
     [ "$(line 6)" = "ingress: hello-ingress" ] && [ "$(line 7)" = "egress: hello-egress 1" ] &&
     line 8 | grep -q "^metrics: memory=[1-9][0-9]* cpu=[1-9][0-9]* pids=[1-9]" &&
-    [ "$(line 10)" = "oom: status=137 events=1" ]; then
-    ok containerd-run "ctr run (PID 1 in the guest's kernel: [$first], host $host_kernel), task exec, kill, 64 MiB, ingress, egress, metrics, OOM"
+    [ "$(line 10)" = "oom: status=137 events=1" ] &&
+    [ "$(line 11)" = "pod: cleanups=1 second=RUNNING exec=0:pod-b-alive" ]; then
+    ok containerd-run "ctr run (PID 1 in the guest's kernel: [$first], host $host_kernel), task exec, kill, 64 MiB, ingress, egress, metrics, OOM, a two-task pod"
 else
-    fail containerd-run "status $status (want 0); lines 1-10 as on x86_64 (tests/guest/shim.rs)" \
+    fail containerd-run "status $status (want 0); lines 1-11 as on x86_64 (tests/guest/shim.rs)" \
         /tmp/ctrd.out /tmp/ctrd.err /tmp/ctrd/containerd.log
 fi
 echo "arm64-smoke: checks done"

@@ -18,7 +18,10 @@
 #      with --tty, `ctr run -t`: the container gets a terminal of this terminal's size (run the
 #      script on a terminal);
 #   5. with --more: `ctr run -d` of a shell that traps SIGTERM, `ctr task exec` into it (its output
-#      and exit status), `ctr task kill` (SIGTERM: the task stops), and `ctr run --memory-limit`
+#      and exit status), `ctr task kill` (SIGTERM: the task stops), two detached tasks grouped
+#      into one pod VM by the annotation io.kubernetes.cri.sandbox-id of which the first is
+#      deleted (after containerd's clean-up for the first, the second still runs and execs:
+#      `pod: cleanups=1 second=RUNNING exec=0:pod-b-alive`), and `ctr run --memory-limit`
 #      64 MiB (the guest's MemTotal), one line each on stdout (`exec: ...`, `kill: ...`,
 #      `memory: ...`), the detached task VMM's cgroup and its memory limit (`cgroup: ...`), a page
 #      from busybox httpd in a task whose annotation bulkhead.io/ports=18080:8000 forwards the
@@ -29,7 +32,7 @@
 #      cpu=NS pids=N`), the resident memory of the first task's shim and VMM (`rss: ...`), and
 #      `ctr run --memory-limit` 64 MiB of awk keeping ever more memory, which the guest's OOM
 #      killer kills: its exit status and the count of `/tasks/oom` events containerd published
-#      for it (`ctr events`; `oom: status=137 events=1`);
+#      for it (`ctr events`; `oom: status=137 events=1`), and last the two-task pod's line;
 #   6. with --faults: kill -9 of a running task's VMM (the task exits with status 255, `ctr run`
 #      with it; its root is unmounted, its cgroup removed), kill -9 of a running task's shim
 #      (containerd runs the shim's `delete`: the task goes, its VMM stops, its root is unmounted
@@ -437,6 +440,48 @@ ctr -a "$SOCK" task kill more
 if wait_status more STOPPED; then echo "kill: STOPPED"; else echo "kill: $(task_status more)"; fi
 ctr -a "$SOCK" task delete more >/dev/null 2>&1 || true
 ctr -a "$SOCK" container delete more >/dev/null 2>&1 || true
+
+log "two tasks in one pod (io.kubernetes.cri.sandbox-id, one VM): the first one deleted"
+pod=(--annotation io.kubernetes.cri.sandbox-id=demo-pod)
+cleanups() { grep -c 'cleaning up dead shim' "$WORK/containerd.log" || true; }
+shim_deletes() { # running `containerd-shim-bulkhead-v2 ... delete` processes
+    local p n=0
+    for p in /proc/[0-9]*; do
+        tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -- "containerd-shim-bulkhead-v2 .* delete" >/dev/null && n=$((n + 1))
+    done
+    echo "$n"
+}
+cleanups_before="$(cleanups)"
+for c in pod-a pod-b; do
+    ctr -a "$SOCK" run -d "${RUNTIME[@]}" "${pod[@]}" "$IMAGE" "$c" sleep 600
+    wait_status "$c" RUNNING || die "pod task $c did not run: $(task_status "$c")"
+done
+ctr -a "$SOCK" task kill -s SIGKILL pod-a
+wait_status pod-a STOPPED || true
+ctr -a "$SOCK" task delete pod-a >/dev/null 2>&1 || true
+ctr -a "$SOCK" container delete pod-a >/dev/null 2>&1 || true
+# containerd takes the closed connection of pod-a's task for a dead shim: it logs "cleaning up
+# dead shim" and runs the shim's `delete` for pod-a (which took the pod VM's cgroup, and the VM,
+# down before 2026-12-06). Wait for that line, then until no `delete` runs (a second at least:
+# it starts right after the line).
+for _ in $(seq 1 300); do
+    (($(cleanups) > cleanups_before)) && break
+    sleep 0.2
+done
+for n in $(seq 1 100); do
+    ((n > 5)) && [[ "$(shim_deletes)" == 0 ]] && break
+    sleep 0.2
+done
+set +e
+out="$(ctr -a "$SOCK" task exec --exec-id p1 pod-b echo pod-b-alive 2>&1)"
+pod_status=$?
+set -e
+# Printed last, after the other steps' lines.
+pod_line="pod: cleanups=$(($(cleanups) - cleanups_before)) second=$(task_status pod-b) exec=$pod_status:$out"
+ctr -a "$SOCK" task kill -s SIGKILL pod-b
+wait_status pod-b STOPPED || true
+ctr -a "$SOCK" task delete pod-b >/dev/null 2>&1 || true
+ctr -a "$SOCK" container delete pod-b >/dev/null 2>&1 || true
 log "ctr run --memory-limit 64 MiB"
 mem="$(ctr -a "$SOCK" run --rm "${RUNTIME[@]}" --memory-limit $((64 << 20)) "$IMAGE" mem \
     grep MemTotal /proc/meminfo)"
@@ -496,3 +541,4 @@ oom_events="$(grep '/tasks/oom' "$WORK/events" | grep -c '"container_id":"oom"' 
 echo "$metrics"
 echo "$rss"
 echo "oom: status=$oom_status events=$oom_events"
+echo "$pod_line"

@@ -436,6 +436,14 @@ guest_test!(
         // A task whose PID 1 outgrows its 64 MiB guest is OOM-killed there, and containerd
         // publishes `/tasks/oom` for it (the shim's TaskOOM).
         assert_eq!(lines[9], "oom: status=137 events=1", "{}", shown(&uname));
+        // Two tasks grouped into one pod VM (`io.kubernetes.cri.sandbox-id`), the first deleted:
+        // containerd's clean-up for it (the shim's `delete`) leaves the pod's VM to the second.
+        assert_eq!(
+            lines[10],
+            "pod: cleanups=1 second=RUNNING exec=0:pod-b-alive",
+            "{}",
+            shown(&uname)
+        );
         assert_eq!(failing.status.code(), Some(7), "{}", shown(&failing));
         assert_eq!(
             String::from_utf8_lossy(&failing.stdout),

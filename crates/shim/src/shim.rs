@@ -9,7 +9,12 @@
 //!   container's root mount (and its pod's roots directory when it was the last,
 //!   [`crate::pod_roots::remove_stale`]) and the cgroup its spec names
 //!   ([`crate::pod_cgroup::remove_stale`]), and reports the task killed (status 137). The dead
-//!   shim's VMMs stopped with it (they are started with a parent-death signal).
+//!   shim's VMMs stopped with it (they are started with a parent-death signal). containerd 1.6
+//!   also runs it after every task's ordinary delete (closing that task's connection to the
+//!   shim looks to it like a shim that died), while the pod's shim may still serve the pod's
+//!   other containers in the pod's VM, whose cgroup is the one the first container's spec
+//!   names: so `delete` first asks whether the shim at the bundle's `address` still answers,
+//!   and then leaves everything to it ([`shim_answers`]).
 //! * Otherwise the process serves the task API ([`TtrpcTask`]) until `Shutdown` finds no
 //!   container left, publishing events to containerd through [`RemoteSink`].
 
@@ -34,6 +39,19 @@ use crate::vm::{SharedVmBackend, VmBackend};
 
 /// The exit status `delete` reports for a task whose shim is gone: 128 + SIGKILL.
 const KILLED_STATUS: u32 = 128 + 9;
+
+/// Whether a shim accepts connections on the socket named in `bundle`'s `address` file (which
+/// `start` wrote: `unix://PATH`): the pod's shim is alive and owns the pod's VM, roots and
+/// cgroup. False without the file, for another scheme, and when nothing listens there.
+pub fn shim_answers(bundle: &Path) -> bool {
+    let Ok(address) = std::fs::read_to_string(bundle.join("address")) else {
+        return false;
+    };
+    let Some(path) = address.trim().strip_prefix("unix://") else {
+        return false;
+    };
+    std::os::unix::net::UnixStream::connect(path).is_ok()
+}
 
 /// An [`EventSink`] that forwards events, in order, to containerd's event service.
 #[derive(Debug, Clone)]
@@ -110,12 +128,14 @@ impl Shim for BulkheadShim {
             true => Path::new("."),
             false => Path::new(&self.bundle),
         };
-        let annotations = bundle_annotations(bundle).unwrap_or_default();
-        let pod = crate::pod_id(&self.id, &annotations);
-        remove_stale(&VmBackend::new(None).pods_dir(), pod, &self.id);
-        // The dead shim's VMM stopped with it (parent-death signal); its cgroup is left.
-        if let Ok(spec) = crate::oci::load(bundle) {
-            crate::pod_cgroup::remove_stale(&spec);
+        if !shim_answers(bundle) {
+            let annotations = bundle_annotations(bundle).unwrap_or_default();
+            let pod = crate::pod_id(&self.id, &annotations);
+            remove_stale(&VmBackend::new(None).pods_dir(), pod, &self.id);
+            // The dead shim's VMM stopped with it (parent-death signal); its cgroup is left.
+            if let Ok(spec) = crate::oci::load(bundle) {
+                crate::pod_cgroup::remove_stale(&spec);
+            }
         }
         Ok(DeleteResponse {
             exit_status: KILLED_STATUS,
@@ -133,5 +153,41 @@ impl Shim for BulkheadShim {
         let backend = SharedVmBackend(Arc::new(VmBackend::new(None)));
         let service = TaskService::new(backend, Arc::new(sink));
         TtrpcTask::new(service, Arc::clone(&self.exit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    #[test]
+    fn a_shim_answers_only_where_the_bundles_address_has_a_listener() {
+        // Arrange: bundles whose address names a listening socket, a socket whose listener is
+        // gone (a killed shim), another scheme, and none at all.
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = |name: &str, address: Option<String>| {
+            let path = dir.path().join(name);
+            std::fs::create_dir(&path).unwrap();
+            if let Some(address) = address {
+                std::fs::write(path.join("address"), address).unwrap();
+            }
+            path
+        };
+        let (live_socket, dead_socket) =
+            (dir.path().join("live.sock"), dir.path().join("dead.sock"));
+        let _listener = UnixListener::bind(&live_socket).unwrap();
+        drop(UnixListener::bind(&dead_socket).unwrap());
+        let live = bundle("live", Some(format!("unix://{}\n", live_socket.display())));
+        let dead = bundle("dead", Some(format!("unix://{}", dead_socket.display())));
+        let other = bundle("other", Some("ttrpc+vsock://3:1024".into()));
+        let none = bundle("none", None);
+
+        // Act
+        let answers = [&live, &dead, &other, &none].map(|b| shim_answers(b));
+
+        // Assert
+        assert_eq!(answers, [true, false, false, false]);
     }
 }
