@@ -15,6 +15,22 @@ const PHASES: [&str; 8] = [
     "vm_destroyed",
 ];
 
+/// Asserts that the bench JSON's `run` has every one of `phases`, none before the one ahead of
+/// it.
+fn assert_phases_in_order(run: &serde_json::Value, phases: &[&str]) {
+    let mut previous = 0.0;
+    for phase in phases {
+        let at = run["phases_ms"][phase]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{phase} missing: {run}"));
+        assert!(
+            at >= previous,
+            "{phase} at {at} ms precedes {previous}: {run}"
+        );
+        previous = at;
+    }
+}
+
 guest_test!(
     fn three_cold_starts_report_every_phase_in_order_with_json_and_plot() {
         // Arrange
@@ -47,17 +63,7 @@ guest_test!(
         assert_eq!(runs.len(), 3);
         for run in runs {
             assert_eq!(run["ok"], true, "{run}");
-            let mut previous = 0.0;
-            for phase in PHASES {
-                let at = run["phases_ms"][phase]
-                    .as_f64()
-                    .unwrap_or_else(|| panic!("{phase} missing: {run}"));
-                assert!(
-                    at >= previous,
-                    "{phase} at {at} ms precedes {previous}: {run}"
-                );
-                previous = at;
-            }
+            assert_phases_in_order(run, &PHASES);
             assert!(run["create_to_first_output_ms"].as_f64().is_some(), "{run}");
             assert!(run["memory"]["overhead_kib"].as_u64().is_some(), "{run}");
         }
@@ -154,17 +160,9 @@ guest_test!(
             assert_eq!(run["ok"], true, "{run}");
             assert!(run["phases_ms"]["guest_init"].is_null(), "{run}");
             assert!(run["create_to_vmm_start_ms"].as_f64().is_some(), "{run}");
-            let mut previous = 0.0;
-            for phase in PHASES.iter().filter(|p| **p != "guest_init") {
-                let at = run["phases_ms"][phase]
-                    .as_f64()
-                    .unwrap_or_else(|| panic!("{phase} missing: {run}"));
-                assert!(
-                    at >= previous,
-                    "{phase} at {at} ms precedes {previous}: {run}"
-                );
-                previous = at;
-            }
+            let restore_phases: Vec<&str> =
+                PHASES.into_iter().filter(|p| *p != "guest_init").collect();
+            assert_phases_in_order(run, &restore_phases);
         }
     }
 );
