@@ -114,27 +114,19 @@ impl Phases {
         ready: &Ready,
         ready_at: Instant,
     ) -> Option<Phases> {
-        let ms = |v: Option<f64>| v.and_then(|ms| Duration::try_from_secs_f64(ms / 1e3).ok());
-        let t = &report.timeline;
-        let kernel_entry = ms(t.vcpus_started)?;
-        let agent_ready = clock.offset(ready_at);
+        let mut phases = Phases::from_restore_report(report, clock, ready_at)?;
         let boottime = Duration::from_nanos(ready.init_started.boottime_ns);
+        let kernel_entry = phases.kernel_entry;
         let guest_init = kernel_entry
             .saturating_add(boottime)
-            .clamp(kernel_entry, agent_ready.max(kernel_entry));
-        Some(Phases {
-            vm_created: ms(t.vm_created)?,
-            memory_ready: ms(t.payload_loaded)?,
-            kernel_entry,
-            guest_init: Some(guest_init),
-            agent_ready,
-            first_output: None,
-            vm_destroyed: None,
-        })
+            .clamp(kernel_entry, phases.agent_ready.max(kernel_entry));
+        phases.guest_init = Some(guest_init);
+        Some(phases)
     }
 
     /// Builds a restore's phases from the VMM's report and the moment the agent acknowledged
-    /// the restore (see the module docs). `None` when the report lacks a VMM phase.
+    /// the restore (see the module docs): every phase but `guest_init`, which a cold start
+    /// adds ([`Phases::from_report`]). `None` when the report lacks a VMM phase.
     pub(crate) fn from_restore_report(
         report: &TimingsReport,
         clock: &PhaseClock,

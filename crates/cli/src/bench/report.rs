@@ -27,10 +27,10 @@
 //! (`config.template`) has the restore's phases, with `guest_init` always `null` (its guest did
 //! not boot; files written before restores had phases have every phase and
 //! `create_to_vmm_start_ms` `null`). A run through the daemon (`config.daemon`, its socket) has
-//! no phases: `create_to_ready_ms` is the create request's answer, and its `memory` is `null`. A failed run (`ok: false`) has
-//! its reason in `error` and whatever phases it reached. `memory` is sampled after the
-//! command's exit status arrived, before the VM is destroyed (see `rss`); `null` when it could
-//! not be read. Readers must ignore unknown fields; a new field keeps the schema name, a
+//! no phases: `create_to_ready_ms` is the create request's answer, and its `memory` is `null`.
+//! A failed run (`ok: false`) has its reason in `error` and whatever phases it reached. `memory`
+//! is sampled after the command's exit status arrived, before the VM is destroyed (see `rss`);
+//! `null` when it could not be read. Readers must ignore unknown fields; a new field keeps the schema name, a
 //! changed meaning bumps it.
 
 use std::path::{Path, PathBuf};

@@ -7,7 +7,7 @@
 //! (an egress proxy of its own); its root filesystem image, if any, is the template's. It cannot
 //! yet give it disks or another image.
 
-use bulkhead_sandbox::spec::{egress_settings, limits_of, new_id, resolve_shares};
+use bulkhead_sandbox::spec::{egress_settings, hostname_of, limits_of, new_id, resolve_shares};
 use bulkhead_sandbox::{
     ExecDefaults, HostSettings, Recipe, Sandbox, SandboxConfig, SandboxSpec, Storage,
 };
@@ -130,7 +130,7 @@ pub fn restore_recipe(
         initrd: template.manifest.initrd.clone(),
         vcpus: spec.vcpus,
         memory_mib: spec.memory_mib,
-        hostname: Some(spec.hostname.clone().unwrap_or_else(|| format!("bh-{id}"))),
+        hostname: Some(hostname_of(spec, id)),
         console: host.console.clone(),
         vmm_binary: host.vmm_binary.clone(),
         runtime_dir: host.runtime_dir.clone(),

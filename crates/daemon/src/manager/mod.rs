@@ -483,7 +483,7 @@ fn info_of(inner: &EntryInner) -> SandboxInfo {
                 ro: m.read_only,
             })
             .collect(),
-        hostname: Some(s.hostname.clone().unwrap_or_else(|| format!("bh-{}", r.id))),
+        hostname: Some(bulkhead_sandbox::spec::hostname_of(s, &r.id)),
         network: plan::network_view(s),
         template: r.template.clone(),
         limits: r.limits.clone(),

@@ -25,6 +25,7 @@ use bulkhead_sandbox::cgroup::{CgroupSpec, VmLimits};
 use bulkhead_sandbox::egress::EgressSettings;
 use bulkhead_sandbox::jail;
 use bulkhead_sandbox::snapshot::{check_attachable, clone_identity, ShareSlots};
+use bulkhead_sandbox::spec::hostname_of;
 use bulkhead_sandbox::{Sandbox, SandboxConfig, SandboxSpec};
 
 use super::lifecycle::{api_limits, process_exit, teardown};
@@ -403,11 +404,9 @@ impl Manager {
         };
         pool.wake();
         let _lifecycle = entry.lifecycle.lock().await;
-        // The clone was restored as `bh-<id>`, its ID now the sandbox's.
-        let hostname = spec
-            .hostname
-            .clone()
-            .filter(|name| *name != format!("bh-{}", entry.id));
+        // The guest has the hostname its clone was restored with (its ID is now the sandbox's).
+        let restored_as = hostname_of(&member.record.spec, &entry.id);
+        let hostname = Some(hostname_of(spec, &entry.id)).filter(|name| *name != restored_as);
         let cgroup = member.record.cgroup.clone();
         // Planned already (the secrets were found then); read again for the proxy.
         let network = match plan::network_settings(&self.inner.config, spec, &entry.id) {
@@ -547,20 +546,22 @@ fn prepare(
             .set_limits(limits)
             .map_err(|e| e.to_string())?;
     }
-    let mut request = bulkhead_sandbox::snapshot::restored_request(identity.hostname)
-        .map_err(|e| e.to_string())?;
-    request.share_params = sandbox
+    let share_params = sandbox
         .attach_shares(&identity.shares, identity.slots)
         .map_err(|e| e.to_string())?;
     if let Some(settings) = &identity.network {
         sandbox
             .start_network(settings, HAND_OUT_TIMEOUT)
             .map_err(|e| e.to_string())?;
-        request.egress = true;
     }
-    if request.hostname.is_none() && request.share_params.is_empty() && !request.egress {
+    let egress = identity.network.is_some();
+    if identity.hostname.is_none() && share_params.is_empty() && !egress {
         return Ok(());
     }
+    let mut request = bulkhead_sandbox::snapshot::restored_request(identity.hostname)
+        .map_err(|e| e.to_string())?;
+    request.share_params = share_params;
+    request.egress = egress;
     sandbox
         .client()
         .with_timeout(HAND_OUT_TIMEOUT)

@@ -217,6 +217,11 @@ impl ExecDefaults {
     }
 }
 
+/// The guest hostname of sandbox `id` under `spec`: the spec's, or `bh-<id>`.
+pub fn hostname_of(spec: &SandboxSpec, id: &str) -> String {
+    spec.hostname.clone().unwrap_or_else(|| format!("bh-{id}"))
+}
+
 /// Validates `spec`, resolves what it names on `host` (kernel, image, disks, shares), checks the
 /// files the VM needs, and returns the sandbox `id`'s recipe. Nothing is started or created.
 ///
@@ -236,7 +241,7 @@ pub fn build(spec: &SandboxSpec, host: &HostSettings, id: &str) -> Result<Recipe
     };
     storage::check(&storage, &host.runtime_dir)?;
     let (mounts, workspace) = resolve_shares(spec, host)?;
-    let hostname = spec.hostname.clone().unwrap_or_else(|| format!("bh-{id}"));
+    let hostname = hostname_of(spec, id);
     let mut config = config_of(spec, host, kernel, Some(hostname));
     config.mounts = mounts;
     config.workspace = workspace;

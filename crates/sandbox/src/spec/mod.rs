@@ -34,8 +34,8 @@ use crate::storage::{StorageError, MIN_SCRATCH_MIB};
 use crate::workspace::{Workspace, WorkspaceError};
 
 pub use build::{
-    build, egress_settings, limits_of, new_id, resolve_shares, ExecDefaults, HostSettings, Recipe,
-    BASE_PATH, BASE_TERM, ID_LEN, ROOT_HOME,
+    build, egress_settings, hostname_of, limits_of, new_id, resolve_shares, ExecDefaults,
+    HostSettings, Recipe, BASE_PATH, BASE_TERM, ID_LEN, ROOT_HOME,
 };
 
 /// Version of the [`SandboxSpec`] format, for stored specs (the daemon's records).
