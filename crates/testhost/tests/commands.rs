@@ -62,6 +62,22 @@ fn echo_prints_to_stdout() {
 }
 
 #[test]
+fn processes_start_at_the_same_addresses_by_default() {
+    // Arrange: the test host boots with `norandmaps` (TestHostConfig::host_aslr), so two runs of
+    // one program map its stack at the same address.
+    let script = "grep stack /proc/self/maps; grep stack /proc/self/maps";
+
+    // Act
+    let out = fixture().host.run(script, T).unwrap();
+
+    // Assert
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert_eq!(lines[0], lines[1]);
+}
+
+#[test]
 fn non_zero_exit_status_is_returned() {
     // Act
     let out = fixture().host.run("echo partial; exit 42", T).unwrap();

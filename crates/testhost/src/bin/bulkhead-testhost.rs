@@ -73,6 +73,11 @@ struct RunArgs {
     /// from bookworm-backports, once apt knows it) [default: what `linux-image-amd64` depends on].
     #[arg(long = "kernel-package", value_name = "PACKAGE")]
     kernel_package: Option<String>,
+    /// Keep the test host's address-space randomization (ASLR) for its processes. It is off by
+    /// default because the emulator translates the code of a randomized process again at every
+    /// exec, which makes process start-up ~5x slower than the rest of the emulation.
+    #[arg(long)]
+    aslr: bool,
     /// Print QEMU's pid, the run directory and timings to stderr.
     #[arg(short, long)]
     verbose: bool,
@@ -154,6 +159,7 @@ fn run_command(args: RunArgs) -> Result<u8> {
         shares,
         extra_libs_for: libs_for,
         kernel_args: args.kernel_args,
+        host_aslr: args.aslr,
         kernel_package: args.kernel_package,
         cpu_model: args.cpu_model,
         tcg_threads: if args.single_tcg {
