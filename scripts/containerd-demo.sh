@@ -212,8 +212,8 @@ $cri_config
 [ttrpc]
   address = "$SOCK.ttrpc"
 EOF
-# The shim puts a pod's VMM in the cgroup the container's spec names (ctr: /default/ID); the
-# nested test host mounts no cgroup hierarchy of its own.
+# The shim puts a pod's VMM in the cgroup the container's spec names (ctr: /default/ID); mount
+# cgroup2 where a host has none (the nested test host mounts it at boot).
 if [[ ! -e /sys/fs/cgroup/cgroup.controllers && ! -d /sys/fs/cgroup/memory ]]; then
     log "mounting cgroup2 at /sys/fs/cgroup (none was mounted)"
     mount -t cgroup2 none /sys/fs/cgroup

@@ -30,6 +30,7 @@
 
 pub mod cgroup;
 pub mod egress;
+pub mod host_tuning;
 pub mod ingress;
 pub mod jail;
 pub mod mounts;

@@ -181,6 +181,11 @@ mount -t devtmpfs devtmpfs /dev
 mkdir -p /dev/pts /dev/shm /tmp /root
 mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
+# cgroup2 where systemd hosts have it, with favordynmods as docs/daemon.md recommends: without it,
+# each KVM_CREATE_VM waits for an RCU grace period (~20 ms here) to move a kernel thread into the
+# VMM's cgroups. Kernels before 6.0 lack the option and did not wait.
+mkdir -p /sys/fs/cgroup
+mount -t cgroup2 -o favordynmods cgroup2 /sys/fs/cgroup 2>/dev/null || mount -t cgroup2 cgroup2 /sys/fs/cgroup
 # Loopback, as any Linux host has it (servers that tests run on 127.0.0.1; the egress proxy).
 ip link set lo up
 log() {

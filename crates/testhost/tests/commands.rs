@@ -78,6 +78,19 @@ fn processes_start_at_the_same_addresses_by_default() {
 }
 
 #[test]
+fn cgroup2_is_mounted_with_favordynmods() {
+    // Act
+    let out = fixture()
+        .host
+        .run("grep ' /sys/fs/cgroup cgroup2 ' /proc/mounts", T)
+        .unwrap();
+
+    // Assert
+    let line = String::from_utf8(out.stdout).unwrap();
+    assert!(line.contains("favordynmods"), "{line:?}");
+}
+
+#[test]
 fn non_zero_exit_status_is_returned() {
     // Act
     let out = fixture().host.run("echo partial; exit 42", T).unwrap();

@@ -320,6 +320,9 @@ fn new_report(config: BenchConfig, runs: Vec<RunRecord>) -> BenchReport {
 /// run succeeded, else 1.
 fn finish(report: &BenchReport, args: &BenchArgs) -> Result<ExitCode, String> {
     print!("{}", table::render(report));
+    if let Some(hint) = bulkhead_sandbox::host_tuning::slow_vm_creation_hint() {
+        eprintln!("bulkhead: note: {hint}");
+    }
     let json_saved = args.json.as_ref().map(|path| report.save(path));
     let plot_saved = args.plot.as_ref().map(|path| {
         let title = format!(

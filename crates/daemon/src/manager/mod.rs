@@ -179,6 +179,9 @@ impl Manager {
         let pool = pool::Pool::new(&config)?;
         let cgroups = CgroupManager::init(config.cgroups, config.cgroup_parent.as_deref())
             .map_err(|e| e.to_string())?;
+        if let Some(hint) = bulkhead_sandbox::host_tuning::slow_vm_creation_hint() {
+            tracing::warn!("{hint}");
+        }
         std::fs::create_dir_all(config.vm_runtime_root())
             .map_err(|e| format!("cannot create {}: {e}", config.vm_runtime_root().display()))?;
         let manager = Manager {
