@@ -294,17 +294,27 @@ fn the_cli_pauses_and_resumes_every_sandbox_it_can_and_fails_for_the_others() {
 /// copied (that sandbox is then deleted).
 fn daemon_with_template(name: &str) -> TestDaemon {
     let daemon = TestDaemon::start();
+    save_template(&daemon, name, 64);
+    daemon
+}
+
+/// Saves template `name` in `daemon`'s state dir: a paused sandbox of `memory_mib`, copied (that
+/// sandbox is then deleted).
+fn save_template(daemon: &TestDaemon, name: &str, memory_mib: u32) {
     let client = daemon.client();
     let rt = rt();
-    let sb = rt.block_on(client.create(&spec_with_labels(&[]))).unwrap();
+    let request = CreateSandbox {
+        memory_mib,
+        ..spec_with_labels(&[])
+    };
+    let sb = rt.block_on(client.create(&request)).unwrap();
     rt.block_on(client.pause(&sb.id)).unwrap();
     let template = daemon.state_dir.join("templates").join(name);
     std::fs::create_dir_all(&template).unwrap();
-    for file in list(&saved_vm(&daemon, &sb.id)) {
+    for file in list(&saved_vm(daemon, &sb.id)) {
         std::fs::copy(&file, template.join(file.file_name().unwrap())).unwrap();
     }
     rt.block_on(client.delete(&sb.id)).unwrap();
-    daemon
 }
 
 #[test]
@@ -334,6 +344,32 @@ fn a_sandbox_created_from_a_template_runs_with_the_templates_size() {
         daemon.leftovers(&[sb.vmm_pid.unwrap()]),
         Vec::<String>::new()
     );
+}
+
+#[test]
+fn a_template_replaced_by_a_rename_is_read_again_by_the_next_create() {
+    // Arrange: a create from the 64 MiB template `base`, then a 96 MiB template renamed over it
+    // (the way docs/daemon.md says to replace one).
+    let daemon = daemon_with_template("base");
+    let client = daemon.client();
+    let rt = rt();
+    let request = CreateSandbox {
+        template: Some("base".into()),
+        ..CreateSandbox::default()
+    };
+    let first = rt.block_on(client.create(&request)).unwrap();
+    rt.block_on(client.delete(&first.id)).unwrap();
+    save_template(&daemon, "bigger", 96);
+    let templates = daemon.state_dir.join("templates");
+    std::fs::rename(templates.join("base"), templates.join("old")).unwrap();
+    std::fs::rename(templates.join("bigger"), templates.join("base")).unwrap();
+
+    // Act
+    let second = rt.block_on(client.create(&request)).unwrap();
+    rt.block_on(client.delete(&second.id)).unwrap();
+
+    // Assert
+    assert_eq!((first.memory_mib, second.memory_mib), (64, 96));
 }
 
 #[test]

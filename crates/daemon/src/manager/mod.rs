@@ -148,6 +148,8 @@ struct Inner {
     boot_slots: tokio::sync::Semaphore,
     /// The warm pool, with `[pool]`.
     pool: Option<pool::Pool>,
+    /// Templates read by earlier creates.
+    templates: templates::TemplateCache,
 }
 
 /// The sandbox manager. Cheap to clone (shared state).
@@ -194,6 +196,7 @@ impl Manager {
                 entries: Mutex::new(HashMap::new()),
                 shutting_down: AtomicBool::new(false),
                 pool,
+                templates: templates::TemplateCache::default(),
             }),
         };
         manager.recover().await;
@@ -372,7 +375,7 @@ impl Manager {
             util::new_id().map_err(|e| ManagerError::Internal(format!("no sandbox id: {e}")))?;
         let config = &self.inner.config;
         let template = match &request.template {
-            Some(name) => Some(templates::resolve(config, name)?),
+            Some(name) => Some(self.inner.templates.resolve(config, name)?),
             None => None,
         };
         let request = match &template {
