@@ -34,10 +34,10 @@ impl Client {
             sandbox_path(id, "/archive"),
             encode_bytes(path.as_ref())
         );
-        let stream = UnixStream::connect(&self.socket)
+        let stream = UnixStream::connect(self.socket())
             .await
             .map_err(|source| Error::Connect {
-                path: self.socket.clone(),
+                path: self.socket().to_owned(),
                 source,
             })?;
         let (mut sender, connection) =
@@ -75,7 +75,13 @@ impl Client {
             sandbox_path(id, "/archive"),
             encode_bytes(path.as_ref())
         );
-        let response = crate::http::send(&self.socket, Method::GET, &uri, None, &[]).await?;
+        let call = crate::http::Call {
+            method: Method::GET,
+            path: &uri,
+            body: None,
+            headers: &[],
+        };
+        let response = self.connections.send(call).await?;
         let status = response.status();
         if !status.is_success() {
             let (_, body) = crate::http::collect(response).await?;

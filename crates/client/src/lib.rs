@@ -108,14 +108,14 @@ impl Error {
 /// A handle on one daemon. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Client {
-    socket: PathBuf,
+    connections: std::sync::Arc<http::Connections>,
 }
 
 impl Client {
     /// A client for the daemon listening on `socket`.
     pub fn new(socket: impl Into<PathBuf>) -> Self {
         Client {
-            socket: socket.into(),
+            connections: std::sync::Arc::new(http::Connections::new(socket.into())),
         }
     }
 
@@ -129,7 +129,7 @@ impl Client {
 
     /// The socket this client talks to.
     pub fn socket(&self) -> &Path {
-        &self.socket
+        self.connections.socket()
     }
 
     /// `GET /healthz`.
@@ -189,8 +189,13 @@ impl Client {
     /// `POST /v1/sandboxes/{id}/exec`: starts a command and streams its output.
     pub async fn exec(&self, id: &str, spec: &ExecSpec) -> Result<ExecStream, Error> {
         let path = sandbox_path(id, "/exec");
-        let response =
-            http::send(&self.socket, Method::POST, &path, Some(to_json(spec)?), &[]).await?;
+        let call = http::Call {
+            method: Method::POST,
+            path: &path,
+            body: Some(to_json(spec)?),
+            headers: &[],
+        };
+        let response = self.connections.send(call).await?;
         ExecStream::from_response(response).await
     }
 
@@ -200,14 +205,13 @@ impl Client {
     pub async fn exec_attach(&self, id: &str, spec: &ExecSpec) -> Result<AttachedExec, Error> {
         let path = sandbox_path(id, "/exec/attach");
         let headers = [("connection", "Upgrade"), ("upgrade", ATTACH_PROTOCOL)];
-        let response = http::send(
-            &self.socket,
-            Method::POST,
-            &path,
-            Some(to_json(spec)?),
-            &headers,
-        )
-        .await?;
+        let call = http::Call {
+            method: Method::POST,
+            path: &path,
+            body: Some(to_json(spec)?),
+            headers: &headers,
+        };
+        let response = self.connections.send(call).await?;
         AttachedExec::start(response).await
     }
 
@@ -283,7 +287,13 @@ impl Client {
             sandbox_path(id, "/workspace/export"),
             format.as_str()
         );
-        let response = http::send(&self.socket, Method::GET, &path, None, &[]).await?;
+        let call = http::Call {
+            method: Method::GET,
+            path: &path,
+            body: None,
+            headers: &[],
+        };
+        let response = self.connections.send(call).await?;
         let status = response.status();
         if !status.is_success() {
             let (_, body) = http::collect(response).await?;
@@ -326,8 +336,13 @@ impl Client {
         body: Option<Bytes>,
         headers: &[(&str, &str)],
     ) -> Result<(StatusCode, Bytes), Error> {
-        let response = http::send(&self.socket, method, path, body, headers).await?;
-        http::collect(response).await
+        let call = http::Call {
+            method,
+            path,
+            body,
+            headers,
+        };
+        self.connections.exchange(call).await
     }
 
     async fn json<T: serde::de::DeserializeOwned>(

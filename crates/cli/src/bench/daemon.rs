@@ -101,7 +101,10 @@ pub struct DaemonRun<'a> {
 impl DaemonRun<'_> {
     /// Runs number `index`. Never fails: a failure is a record with `ok: false`.
     pub fn run(&self, index: usize) -> RunRecord {
-        let runtime = tokio::runtime::Builder::new_current_thread()
+        // Multi-thread, so that the client keeps the create's connection for the exec
+        // (`bulkhead_client` keeps only those), as a long-lived API client would.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
             .enable_all()
             .build();
         match runtime {
