@@ -341,53 +341,49 @@ mod tests {
             .unwrap()
     }
 
-    #[test]
-    fn a_connection_kept_on_a_multi_thread_runtime_serves_another_runtime() {
-        // Arrange: the server on a runtime of its own; the first exchange on another
-        // multi-thread runtime.
+    /// An exchange on `first_rt`, then a streamed request on a new current-thread runtime
+    /// while `first_rt` lives on, idle; returns both statuses and the connections accepted.
+    fn exchange_then_stream_elsewhere(
+        first_rt: &tokio::runtime::Runtime,
+    ) -> (StatusCode, StatusCode, usize) {
         let dir = tempfile::tempdir().unwrap();
         let server = tokio::runtime::Runtime::new().unwrap();
         let (socket, accepted) = server.block_on(async { serve(dir.path(), true) });
         let connections = Connections::new(socket);
-        let first_rt = tokio::runtime::Runtime::new().unwrap();
         let first = first_rt.block_on(connections.exchange(get("/a"))).unwrap();
+        let second = current_thread()
+            .block_on(async {
+                let streamed = connections.send(get("/stream")).await?;
+                collect(streamed).await
+            })
+            .unwrap();
+        (first.0, second.0, accepted.load(Ordering::SeqCst))
+    }
+
+    #[test]
+    fn a_connection_kept_on_a_multi_thread_runtime_serves_another_runtime() {
+        // Arrange
+        let first_rt = tokio::runtime::Runtime::new().unwrap();
 
         // Act
-        let second = current_thread().block_on(async {
-            let streamed = connections.send(get("/stream")).await?;
-            collect(streamed).await
-        });
+        let (first, second, accepted) = exchange_then_stream_elsewhere(&first_rt);
 
         // Assert
-        assert_eq!(
-            (first.0, second.unwrap().0),
-            (StatusCode::OK, StatusCode::OK)
-        );
-        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert_eq!((first, second), (StatusCode::OK, StatusCode::OK));
+        assert_eq!(accepted, 1);
     }
 
     #[test]
     fn a_current_thread_runtimes_connection_is_not_kept_for_another_one() {
-        // Arrange: the first exchange on a current-thread runtime that stays alive, idle.
-        let dir = tempfile::tempdir().unwrap();
-        let server = tokio::runtime::Runtime::new().unwrap();
-        let (socket, accepted) = server.block_on(async { serve(dir.path(), true) });
-        let connections = Connections::new(socket);
-        let idle_rt = current_thread();
-        let first = idle_rt.block_on(connections.exchange(get("/a"))).unwrap();
+        // Arrange
+        let first_rt = current_thread();
 
-        // Act: were it kept, this would wait forever on the idle runtime's socket.
-        let second = current_thread().block_on(async {
-            let streamed = connections.send(get("/stream")).await?;
-            collect(streamed).await
-        });
+        // Act: were it kept, the stream would wait forever on the idle runtime's socket.
+        let (first, second, accepted) = exchange_then_stream_elsewhere(&first_rt);
 
         // Assert
-        assert_eq!(
-            (first.0, second.unwrap().0),
-            (StatusCode::OK, StatusCode::OK)
-        );
-        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!((first, second), (StatusCode::OK, StatusCode::OK));
+        assert_eq!(accepted, 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]

@@ -298,6 +298,14 @@ fn daemon_with_template(name: &str) -> TestDaemon {
     daemon
 }
 
+/// A create request for a restore of template `name`.
+fn from_template(name: &str) -> CreateSandbox {
+    CreateSandbox {
+        template: Some(name.into()),
+        ..CreateSandbox::default()
+    }
+}
+
 /// Saves template `name` in `daemon`'s state dir: a paused sandbox of `memory_mib`, copied (that
 /// sandbox is then deleted).
 fn save_template(daemon: &TestDaemon, name: &str, memory_mib: u32) {
@@ -323,10 +331,7 @@ fn a_sandbox_created_from_a_template_runs_with_the_templates_size() {
     let daemon = daemon_with_template("base");
     let client = daemon.client();
     let rt = rt();
-    let request = CreateSandbox {
-        template: Some("base".into()),
-        ..CreateSandbox::default()
-    };
+    let request = from_template("base");
 
     // Act
     let sb = rt.block_on(client.create(&request)).unwrap();
@@ -353,10 +358,7 @@ fn a_template_replaced_by_a_rename_is_read_again_by_the_next_create() {
     let daemon = daemon_with_template("base");
     let client = daemon.client();
     let rt = rt();
-    let request = CreateSandbox {
-        template: Some("base".into()),
-        ..CreateSandbox::default()
-    };
+    let request = from_template("base");
     let first = rt.block_on(client.create(&request)).unwrap();
     rt.block_on(client.delete(&first.id)).unwrap();
     save_template(&daemon, "bigger", 96);
