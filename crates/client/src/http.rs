@@ -116,16 +116,22 @@ impl Connections {
     pub(crate) async fn exchange(&self, call: Call<'_>) -> Result<(StatusCode, Bytes), Error> {
         let mut request = build(call)?;
         loop {
-            let idle = match self.take_idle() {
-                Some(idle) => idle,
-                None => self.connect().await?,
+            let (idle, fresh) = match self.take_idle() {
+                Some(idle) => (idle, false),
+                None => (self.connect().await?, true),
             };
             match exchange_on(idle, request).await {
                 Outcome::Answered(answer, idle) => {
                     self.keep(idle);
                     return Ok(answer);
                 }
-                Outcome::Unsent(unsent) => request = unsent,
+                // A kept connection may have been closed meanwhile; a new one may not.
+                Outcome::Unsent(unsent) if !fresh => request = unsent,
+                Outcome::Unsent(_) => {
+                    return Err(Error::Interrupted(
+                        "the daemon closed a new connection before taking the request".into(),
+                    ))
+                }
                 Outcome::Failed(e) => return Err(e),
             }
         }

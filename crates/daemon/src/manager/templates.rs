@@ -94,12 +94,12 @@ impl TemplateCache {
         let stamps = is_valid_name(name)
             .then(|| stamps_of(&config.templates_dir().join(name)))
             .flatten();
-        let mut cache = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(cached) = cache.get(name).filter(|c| Some(c.stamps) == stamps) {
+        if let Some(cached) = self.lock().get(name).filter(|c| Some(c.stamps) == stamps) {
             return Ok(cached.template.clone());
         }
         // Stamped before the read: a file that changes during it has a newer stamp next time.
         let template = resolve(config, name)?;
+        let mut cache = self.lock();
         match stamps {
             Some(stamps) => {
                 let template = template.clone();
@@ -110,6 +110,10 @@ impl TemplateCache {
             }
         }
         Ok(template)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Cached>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
