@@ -11,7 +11,6 @@ use hyper::header::{CONTENT_TYPE, HOST};
 use hyper::{Method, Request};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, ReadBuf};
-use tokio::net::UnixStream;
 
 use crate::types::{ArchiveWritten, FileInfo, FileList};
 use crate::{api_error, check, encode_bytes, parse, sandbox_path, Client, Error};
@@ -34,12 +33,7 @@ impl Client {
             sandbox_path(id, "/archive"),
             encode_bytes(path.as_ref())
         );
-        let stream = UnixStream::connect(self.socket())
-            .await
-            .map_err(|source| Error::Connect {
-                path: self.socket().to_owned(),
-                source,
-            })?;
+        let stream = self.connections.connect_stream().await?;
         let (mut sender, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {

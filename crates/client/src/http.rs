@@ -158,13 +158,18 @@ impl Connections {
         }
     }
 
-    async fn connect(&self) -> Result<Idle, Error> {
-        let stream = UnixStream::connect(&self.socket)
+    /// A new connection to the daemon's socket, before the HTTP handshake.
+    pub(crate) async fn connect_stream(&self) -> Result<UnixStream, Error> {
+        UnixStream::connect(&self.socket)
             .await
             .map_err(|source| Error::Connect {
                 path: self.socket.clone(),
                 source,
-            })?;
+            })
+    }
+
+    async fn connect(&self) -> Result<Idle, Error> {
+        let stream = self.connect_stream().await?;
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         let keepable = tokio::runtime::Handle::current().runtime_flavor()
             == tokio::runtime::RuntimeFlavor::MultiThread;
