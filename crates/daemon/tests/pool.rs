@@ -277,17 +277,58 @@ fn a_create_with_a_mount_gets_a_clone_with_the_directory_attached_if_its_slots_s
 
 /// How many `vmm.log` files under `dir` (at any depth) contain `text`.
 fn vmm_logs_with(dir: &Path, text: &str) -> usize {
+    vmm_log_lines(dir, text).iter().filter(|n| **n > 0).count()
+}
+
+/// For each `vmm.log` file under `dir` (at any depth), how many times it contains `text`.
+fn vmm_log_lines(dir: &Path, text: &str) -> Vec<usize> {
     list(dir)
         .iter()
-        .map(|path| match path.is_dir() {
-            true => vmm_logs_with(path, text),
-            false => {
-                let log = path.file_name().is_some_and(|n| n == "vmm.log")
-                    && std::fs::read_to_string(path).is_ok_and(|t| t.contains(text));
-                usize::from(log)
+        .flat_map(|path| match path.is_dir() {
+            true => vmm_log_lines(path, text),
+            false if path.file_name().is_some_and(|n| n == "vmm.log") => {
+                let log = std::fs::read_to_string(path).unwrap_or_default();
+                vec![log.matches(text).count()]
             }
+            false => Vec::new(),
         })
-        .sum()
+        .collect()
+}
+
+#[test]
+fn a_handed_out_clones_first_command_runs_on_a_connection_opened_before_the_create() {
+    // Arrange
+    let daemon = daemon_with_pool("[pool]\ntemplate = \"base\"\nsize = 1\n");
+    let client = daemon.client();
+    let rt = rt();
+    wait_for_ready(&daemon, 1);
+    let sb = rt.block_on(client.create(&from_template())).unwrap();
+    let vm_dir = daemon.vms_dir().join(&sb.id);
+    let connections = || vmm_log_lines(&vm_dir, "fake-vmm: agent connection");
+    let echo = |text: &str| {
+        let out = rt
+            .block_on(client.exec_collect(&sb.id, &ExecSpec::new(["echo", text])))
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let before = connections();
+
+    // Act
+    let first = echo("one");
+    let after_first = connections();
+    let second = echo("two");
+    let after_second = connections();
+
+    // Assert
+    assert_eq!((first.as_str(), second.as_str()), ("one\n", "two\n"));
+    assert_eq!(before.len(), 1, "one VMM log: {before:?}");
+    assert_eq!(
+        after_first,
+        before,
+        "the first command made no new connection\n{}",
+        daemon.log()
+    );
+    assert_eq!(after_second[0], before[0] + 1, "the second made its own");
 }
 
 #[test]

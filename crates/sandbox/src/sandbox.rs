@@ -3,8 +3,8 @@
 use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io;
-use std::os::fd::OwnedFd;
-use std::os::unix::net::UnixListener;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::OnceLock;
@@ -180,6 +180,8 @@ pub struct Sandbox {
     /// The egress proxy, when the sandbox has a network; stopped after the VMM.
     pub(crate) egress: Option<EgressProxy>,
     pub(crate) egress_log: Option<PathBuf>,
+    /// A connection to the agent opened ahead of need ([`Sandbox::preconnect`]).
+    pub(crate) spare: Option<UnixStream>,
 }
 
 /// The VMM's control socket in a runtime directory (`bulkhead-vmm --api-sock`).
@@ -287,6 +289,7 @@ impl Sandbox {
             first_output: OnceLock::new(),
             egress,
             egress_log,
+            spare: None,
         })
     }
 
@@ -343,6 +346,25 @@ impl Sandbox {
     /// A client for the guest agent (a new vsock connection per request).
     pub fn client(&self) -> AgentClient {
         AgentClient::hybrid(&self.uds_path)
+    }
+
+    /// Opens a connection to the guest agent now, for the next
+    /// [`Sandbox::take_preconnected`], so that a command started later on it does not wait for
+    /// the vsock handshake (`CONNECT`, the guest's answer: in the test host ~6 ms of a warm
+    /// pool's hand-out, `benches/results/README.md`). Replaces an earlier one.
+    ///
+    /// # Errors
+    /// [`Error::Agent`] when the agent cannot be reached.
+    pub fn preconnect(&mut self) -> Result<(), Error> {
+        self.spare = Some(self.client().connect()?);
+        Ok(())
+    }
+
+    /// The connection [`Sandbox::preconnect`] opened, when it is still open and nothing came on
+    /// it (the agent sends nothing before a request); None otherwise (a connection that fails
+    /// the check is closed). Start a command on it with [`ExecSession::start`].
+    pub fn take_preconnected(&mut self) -> Option<UnixStream> {
+        self.spare.take().filter(idle_and_open)
     }
 
     /// Starts a command in the guest.
@@ -495,6 +517,7 @@ impl Sandbox {
             first_output: OnceLock::new(),
             egress: None,
             egress_log: None,
+            spare: None,
         })
     }
 
@@ -699,6 +722,24 @@ pub(crate) fn wait_ready(
             log: tail_lines(files.log, LOG_TAIL_LINES),
         }),
     }
+}
+
+/// Whether `stream` is still open with nothing to read: a non-blocking peek finds no byte
+/// (end of file or data both mean that the connection can no longer carry a request).
+fn idle_and_open(stream: &UnixStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: `recv` writes at most one byte, into `byte`, which outlives the call; the fd is
+    // borrowed from `stream`, open for the call. MSG_PEEK leaves the byte in the socket and
+    // MSG_DONTWAIT keeps the call from blocking whatever the stream's mode.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            std::ptr::addr_of_mut!(byte).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock
 }
 
 #[cfg(test)]

@@ -228,3 +228,29 @@ fn an_extra_kernel_parameter_with_a_bulkhead_key_is_refused() {
     assert!(matches!(err, Error::BootParams(_)), "{err}");
     assert!(err.to_string().contains("bulkhead.root=/dev/vdz"), "{err}");
 }
+
+#[test]
+fn a_preconnected_stream_is_usable_only_while_open_and_silent() {
+    // Arrange: three connections, one left idle, one the agent wrote on, one it closed.
+    let (idle, _idle_agent) = UnixStream::pair().unwrap();
+    let (spoken, mut spoken_agent) = UnixStream::pair().unwrap();
+    std::io::Write::write_all(&mut spoken_agent, b"x").unwrap();
+    let (closed, closed_agent) = UnixStream::pair().unwrap();
+    drop(closed_agent);
+
+    // Act
+    let verdicts = [&idle, &spoken, &closed].map(idle_and_open);
+
+    // Assert
+    assert_eq!(verdicts, [true, false, false]);
+    idle.set_read_timeout(Some(Duration::from_millis(20)))
+        .unwrap();
+    let err = std::io::Read::read(&mut &idle, &mut [0u8; 1]).unwrap_err();
+    assert!(
+        matches!(
+            err.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ),
+        "the checked stream blocks again (its read timed out): {err:?}"
+    );
+}

@@ -165,6 +165,8 @@ impl Sandbox {
             dir: target.clone(),
             resume: false,
         });
+        // A connection left idle for a command would be reset by the restore anyway.
+        self.spare = None;
         let refused = |reason: String| {
             let log = self.log_tail(20);
             match log.trim().is_empty() {
@@ -309,6 +311,7 @@ impl Sandbox {
             first_output: OnceLock::new(),
             egress,
             egress_log,
+            spare: None,
         };
         // Dropping the sandbox on an error stops the VMM and the proxy and removes the runtime
         // directory.

@@ -119,7 +119,7 @@ pub(super) async fn start(
     spec: &ExecSpec,
     input: Stdin,
 ) -> Result<ExecSession, ApiError> {
-    let handle = manager.agent(id)?;
+    let (handle, preconnected) = manager.agent_for_exec(id)?;
     let (mut request, stdin) = protocol_request(spec, &handle)?;
     if input == Stdin::Streamed {
         if stdin.is_some() {
@@ -130,9 +130,12 @@ pub(super) async fn start(
         request.stdin = true;
     }
     let client = handle.client;
-    let started = tokio::task::spawn_blocking(move || client.exec(&request))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let started = tokio::task::spawn_blocking(move || match preconnected {
+        Some(stream) => ExecSession::start(stream, &request),
+        None => client.exec(&request),
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
     manager.metrics().exec(started.is_ok());
     let session = started.map_err(ApiError::from_agent)?;
     if let Some(bytes) = stdin {

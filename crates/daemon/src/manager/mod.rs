@@ -31,6 +31,7 @@ mod workspace;
 pub use workspace::WorkspaceFailure;
 
 use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -293,13 +294,46 @@ impl Manager {
     /// [`ManagerError::NotFound`], [`ManagerError::Ambiguous`], [`ManagerError::Conflict`] when
     /// it is not running.
     pub fn agent(&self, id: &str) -> Result<AgentHandle, ManagerError> {
+        self.agent_with(id, |_| ()).map(|(handle, ())| handle)
+    }
+
+    /// Like [`Manager::agent`], for a command: with the agent connection the sandbox opened
+    /// ahead of need ([`Sandbox::take_preconnected`]: a pool clone's, for its first command),
+    /// when there is one and it is still usable. It is taken whether or not the command is
+    /// then started (a request found invalid afterwards costs the next command the handshake).
+    ///
+    /// # Errors
+    /// As [`Manager::agent`].
+    pub fn agent_for_exec(
+        &self,
+        id: &str,
+    ) -> Result<(AgentHandle, Option<UnixStream>), ManagerError> {
+        self.agent_with(id, Sandbox::take_preconnected)
+    }
+
+    /// The handle of running sandbox `id`, with what `take` gets from its sandbox (under the
+    /// entry's lock).
+    fn agent_with<T>(
+        &self,
+        id: &str,
+        take: impl FnOnce(&mut Sandbox) -> T,
+    ) -> Result<(AgentHandle, T), ManagerError> {
         let entry = self.existing(id)?;
-        let inner = entry.lock();
-        match (&inner.state, &inner.sandbox) {
-            (SandboxState::Running, Some(sandbox)) => Ok(AgentHandle {
-                client: sandbox.client(),
-                exec: ExecDefaults::of(&inner.record.spec).with_network(sandbox.egress_env()),
-            }),
+        let mut inner = entry.lock();
+        let EntryInner {
+            state,
+            record,
+            sandbox,
+            ..
+        } = &mut *inner;
+        match (state, sandbox) {
+            (SandboxState::Running, Some(sandbox)) => Ok((
+                AgentHandle {
+                    client: sandbox.client(),
+                    exec: ExecDefaults::of(&record.spec).with_network(sandbox.egress_env()),
+                },
+                take(sandbox),
+            )),
             (SandboxState::Paused, _) => Err(ManagerError::Conflict {
                 id: entry.id.clone(),
                 state: "paused (resume it first)",

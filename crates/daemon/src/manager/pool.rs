@@ -299,7 +299,8 @@ impl Manager {
         };
         let started = Instant::now();
         let warmed = tokio::task::spawn_blocking(move || {
-            let warmed = warm_up(&sandbox);
+            let mut sandbox = sandbox;
+            let warmed = warm_up(&mut sandbox);
             (sandbox, warmed)
         })
         .await;
@@ -486,11 +487,12 @@ impl Manager {
 /// user runs in it does not pay for what any first exec after a restore pays: the guest's
 /// first touches of the pages of its exec path (each a page fault on the template's
 /// memory file; in the test host, measured: the first exec after a hand-out 61 → 31 ms p50,
-/// `benches/results/README.md`).
+/// `benches/results/README.md`). Then opens the agent connection that first command is
+/// started on ([`Sandbox::preconnect`]), sparing it the vsock handshake.
 ///
 /// # Errors
-/// The exec's failure, or its unsuccessful end: the clone is unusable.
-fn warm_up(sandbox: &Sandbox) -> Result<(), String> {
+/// The exec's failure, or its unsuccessful end, or no connection: the clone is unusable.
+fn warm_up(sandbox: &mut Sandbox) -> Result<(), String> {
     let request = bulkhead_protocol::ExecRequest::new(["true"]);
     let out = sandbox
         .client()
@@ -498,10 +500,12 @@ fn warm_up(sandbox: &Sandbox) -> Result<(), String> {
         .exec(&request)
         .and_then(|s| s.wait_with_output())
         .map_err(|e| format!("warm-up exec: {e}"))?;
-    match out.status.success() {
-        true => Ok(()),
-        false => Err(format!("warm-up exec ended {:?}", out.status)),
+    if !out.status.success() {
+        return Err(format!("warm-up exec ended {:?}", out.status));
     }
+    sandbox
+        .preconnect()
+        .map_err(|e| format!("connecting to the agent after the warm-up: {e}"))
 }
 
 fn handed_out(clone: &Record, spec: &SandboxSpec, limits: &VmLimits, ttl_s: Option<u64>) -> Record {

@@ -45,8 +45,10 @@ pub struct ExecSession {
 }
 
 impl ExecSession {
-    /// Sends `request` on `stream` and waits for the agent's first answer.
-    pub(super) fn start(stream: UnixStream, request: &ExecRequest) -> Result<Self, ClientError> {
+    /// Sends `request` on `stream`, an idle connection to the agent (from
+    /// [`AgentClient::connect`](super::AgentClient::connect), which [`AgentClient::exec`](super::AgentClient::exec)
+    /// opens itself), and waits for the agent's first answer, as [`AgentClient::exec`](super::AgentClient::exec) does.
+    pub fn start(stream: UnixStream, request: &ExecRequest) -> Result<Self, ClientError> {
         write_frame(&mut &stream, &Frame::Exec(request.clone())).map_err(classify)?;
         let read_half = stream.try_clone()?;
         let mut reader = ExecReader {
