@@ -45,8 +45,8 @@ const HAND_OUT_TIMEOUT: Duration = Duration::from_secs(10);
 /// After a hand-out from a full pool, how long the refiller leaves the host to the new
 /// sandbox's first commands while other clones are still ready: in the test host a restore
 /// beside them made the first output of a hand-out come ~5 ms later at the median (37.3 vs
-/// 32.2 ms, `benches/results/README.md`). A pool that is not full when a clone is taken is refilled at
-/// once, so that a steady stream of creates does not drain it.
+/// 32.2 ms, `benches/results/README.md`). A pool that is not full when a clone is taken is
+/// refilled at once, so that a steady stream of creates does not drain it.
 const REFILL_SETTLE: Duration = Duration::from_millis(250);
 
 /// The warm pool's settings and idle clones.

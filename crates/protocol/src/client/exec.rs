@@ -46,8 +46,9 @@ pub struct ExecSession {
 
 impl ExecSession {
     /// Sends `request` on `stream`, an idle connection to the agent (from
-    /// [`AgentClient::connect`](super::AgentClient::connect), which [`AgentClient::exec`](super::AgentClient::exec)
-    /// opens itself), and waits for the agent's first answer, as [`AgentClient::exec`](super::AgentClient::exec) does.
+    /// [`AgentClient::connect`](super::AgentClient::connect)), and waits for the agent's first
+    /// answer: what [`AgentClient::exec`](super::AgentClient::exec) does on a connection it
+    /// opens itself.
     pub fn start(stream: UnixStream, request: &ExecRequest) -> Result<Self, ClientError> {
         write_frame(&mut &stream, &Frame::Exec(request.clone())).map_err(classify)?;
         let read_half = stream.try_clone()?;
